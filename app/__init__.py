@@ -1,0 +1,1 @@
+"""Veil desktop app and the `veil` command line."""

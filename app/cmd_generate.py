@@ -1,0 +1,167 @@
+"""`veil generate`: one reply, streamed to stdout or as one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+from app.progress import CliProgress
+from engine.chat import messages_for, prompt_ids
+from engine.generate import DECODERS, CancelToken, generate
+from engine.loading import DEFAULT_MODEL
+from engine.sampling import SamplingParams
+from engine.session import RunnerOptions, open_runner
+
+
+def add_common_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="SPEC",
+        help=f"model: {DEFAULT_MODEL} (embedded default), a model folder, a .gguf file, "
+        "or a Hugging Face repo id already in the local cache",
+    )
+    p.add_argument(
+        "--local-layers",
+        type=int,
+        default=2,
+        metavar="K",
+        help="decoder layers run on this computer at each end (default 2; "
+        "half the model's layers = fully local)",
+    )
+    p.add_argument(
+        "--tail-layers",
+        type=int,
+        default=None,
+        metavar="T",
+        help="asymmetric split: tail layers (then --local-layers is the head)",
+    )
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate one reply",
+        description="Generate one chat reply and stream it to stdout.",
+    )
+    p.add_argument("--prompt", required=True, help="the user message")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_common_model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop when this text appears (repeatable)",
+    )
+    p.add_argument(
+        "--decoder",
+        default=default_decoder(),
+        help="sequential or speculative (default: %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)
+
+
+def default_decoder() -> str:
+    return "speculative" if "speculative" in DECODERS else "sequential"
+
+
+def runner_options(args: argparse.Namespace) -> RunnerOptions:
+    return RunnerOptions(
+        model=args.model,
+        local_layers=args.local_layers,
+        tail_layers=args.tail_layers,
+        server=getattr(args, "server", None),
+        dtype=args.dtype,
+        device=args.device,
+    )
+
+
+def peak_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def run(args: argparse.Namespace) -> int:
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    params.validate()
+    progress = CliProgress()
+    t0 = time.perf_counter()
+    runner = open_runner(runner_options(args), progress)
+    progress.close()
+    load_s = time.perf_counter() - t0
+    ids = prompt_ids(runner.client.tokenizer, messages_for(args.prompt, args.system))
+
+    def stream(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    cancel = CancelToken()
+    try:
+        res = generate(
+            runner,
+            ids,
+            params,
+            decoder=args.decoder,
+            on_text=None if args.json else stream,
+            cancel=cancel,
+        )
+    finally:
+        if runner.trunk is not None:
+            runner.trunk.close()
+    if not args.json:
+        sys.stdout.write("\n")
+        return 0
+    st = res.stats
+    out: dict[str, Any] = {
+        "text": res.text,
+        "token_ids": res.token_ids,
+        "new_tokens": st.new_tokens,
+        "prompt_tokens": st.prompt_tokens,
+        "finish_reason": res.finish_reason,
+        "ttft_s": round(st.ttft_s, 4),
+        "decode_tok_s": round(st.decode_tok_s, 3),
+        "load_s": round(load_s, 3),
+        "local_layers": args.local_layers,
+        "head_layers": runner.client.plan.head,
+        "tail_layers": runner.client.plan.tail,
+        "fully_local": runner.client.plan.fully_local,
+        "model": runner.client.name,
+        "decoder": args.decoder,
+        "local_param_bytes": runner.client.local_param_bytes(),
+        "peak_memory_bytes": peak_memory_bytes(args.device),
+        "round_trips": st.round_trips,
+        "tokens_per_round_trip": round(st.tokens_per_round_trip, 4),
+        "tree_nodes_sent": st.tree_nodes_sent,
+        "accepted_hist": {str(k): v for k, v in sorted(st.accepted_hist.items())},
+    }
+    extra = getattr(runner.trunk, "json_stats", None)
+    if callable(extra):
+        out.update(extra())
+    print(json.dumps(out))
+    return 0

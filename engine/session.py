@@ -1,0 +1,71 @@
+"""Build a ready-to-run split from user options: the one place the CLI, the app and the
+benchmark turn "model + local layers (+ server)" into a :class:`SplitRunner`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import GenerationError
+from engine.loading import DEFAULT_MODEL, Progress
+from engine.split import ClientModel, SplitRunner, Trunk, load_client, load_trunk
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise GenerationError(
+            f"unknown dtype '{name}'", hint="use float32, bfloat16 or float16"
+        ) from None
+
+
+@dataclass
+class RunnerOptions:
+    model: str = DEFAULT_MODEL
+    local_layers: int = 2
+    tail_layers: int | None = None
+    server: str | None = None  # None: the trunk runs in this process
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def open_trunk(client: ClientModel, opts: RunnerOptions, progress: Progress | None) -> Trunk | None:
+    """The trunk for ``client``'s split: None when fully local, in-process without a server."""
+    if client.plan.fully_local:
+        return None
+    start, end = client.plan.trunk_range
+    if opts.server:
+        from engine.transport import connect_trunk
+
+        return connect_trunk(opts.server, client, progress=progress)
+    return load_trunk(
+        client.resolved,
+        start,
+        end,
+        dtype=parse_dtype(opts.dtype),
+        device=opts.device,
+        progress=progress,
+    )
+
+
+def open_runner(opts: RunnerOptions, progress: Progress | None = None) -> SplitRunner:
+    client = load_client(
+        opts.model,
+        opts.local_layers,
+        tail_layers=opts.tail_layers,
+        dtype=parse_dtype(opts.dtype),
+        device=opts.device,
+        progress=progress,
+    )
+    return SplitRunner(client, open_trunk(client, opts, progress))

@@ -1,0 +1,325 @@
+"""The split: head (embedding + first layers), trunk (middle layers), tail (last layers + norm
++ LM head).
+
+Head, trunk and tail share one narrow interface — hidden states + positions + tree parents +
+which nodes of the previous block to keep, in; hidden states out — so the trunk can live in
+this process (:class:`LocalTrunk`) or behind the network (``engine.transport``).
+
+The client side (:class:`ClientModel`) reads only the embedding, its local layers, the final
+norm and the LM head from the checkpoint, and reads further layers when ``k`` grows. The trunk
+side (:func:`load_trunk`) reads only the trunk layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.errors import SplitError
+from engine.loading import (
+    Progress,
+    ResolvedModel,
+    WeightReader,
+    load_config,
+    load_tokenizer,
+    resolve,
+    weights_fingerprint,
+)
+from engine.model import LayerStack, LayerWeights, layer_tensor_names, rms_norm
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Which layers run where: head [0, head), trunk [head, n - tail), tail [n - tail, n)."""
+
+    n_layers: int
+    head: int
+    tail: int
+
+    @classmethod
+    def symmetric(cls, n_layers: int, k: int) -> SplitPlan:
+        top = (n_layers + 1) // 2
+        if not 1 <= k <= top:
+            raise SplitError(
+                f"local layers must be between 1 and {top} for this model ({n_layers} layers), "
+                f"got {k}"
+            )
+        return cls.of(n_layers, k, min(k, n_layers - k))
+
+    @classmethod
+    def of(cls, n_layers: int, head: int, tail: int) -> SplitPlan:
+        if head < 1 or tail < 1 or head + tail > n_layers:
+            raise SplitError(
+                f"a split needs at least 1 head and 1 tail layer and at most {n_layers} in all; "
+                f"got head={head}, tail={tail}"
+            )
+        return cls(n_layers, head, tail)
+
+    @property
+    def trunk_range(self) -> tuple[int, int]:
+        return self.head, self.n_layers - self.tail
+
+    @property
+    def fully_local(self) -> bool:
+        return self.head + self.tail >= self.n_layers
+
+
+@runtime_checkable
+class Trunk(Protocol):
+    """The middle layers, wherever they run."""
+
+    start: int
+    end: int
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> torch.Tensor: ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalTrunk:
+    """Trunk layers in this process."""
+
+    def __init__(self, stack: LayerStack) -> None:
+        self.stack = stack
+        self.start = stack.start
+        self.end = stack.end
+        self.round_trips = 0
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        self.round_trips += 1
+        return self.stack.forward(hidden, positions, parents, keep)
+
+    def reset(self) -> None:
+        self.stack.reset()
+
+    def close(self) -> None:
+        pass
+
+
+def read_layers(
+    reader: WeightReader,
+    config: ModelConfig,
+    indices: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> dict[int, LayerWeights]:
+    out: dict[int, LayerWeights] = {}
+    for i in indices:
+        tensors = reader.read(layer_tensor_names(config, i), dtype=dtype, device=device)
+        out[i] = LayerWeights.from_tensors(tensors, i)
+    return out
+
+
+def trunk_fingerprint(reader: WeightReader, config: ModelConfig, start: int, end: int) -> str:
+    names = [n for i in range(start, end) for n in layer_tensor_names(config, i)]
+    return config.fingerprint() + "-" + weights_fingerprint(reader, names)
+
+
+def load_trunk(
+    spec: str | ResolvedModel,
+    start: int,
+    end: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    progress: Progress | None = None,
+) -> LocalTrunk:
+    """Build a trunk for layers [start, end) from those layers' tensors alone."""
+    resolved = spec if isinstance(spec, ResolvedModel) else resolve(spec, progress)
+    config = load_config(resolved.folder)
+    if not 0 <= start < end <= config.n_layers:
+        raise SplitError(f"trunk range [{start}, {end}) is outside the model's {config.n_layers}")
+    reader = WeightReader(resolved.folder)
+    layers = read_layers(reader, config, range(start, end), dtype, device)
+    return LocalTrunk(
+        LayerStack(
+            config, start, [layers[i] for i in range(start, end)], dtype=dtype, device=device
+        )
+    )
+
+
+class ClientModel:
+    """Runs on the user's computer: tokenizer, embedding, head and tail layers, norm, LM head."""
+
+    def __init__(
+        self,
+        resolved: ResolvedModel,
+        plan: SplitPlan,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        config: ModelConfig | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.resolved = resolved
+        self.name = resolved.name
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.config = config or load_config(resolved.folder)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(resolved.folder)
+        self.reader = WeightReader(resolved.folder)
+        cfg = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        tied = cfg.tie_word_embeddings or not self.reader.has("lm_head.weight")
+        if not tied:
+            names.append("lm_head.weight")
+        t = self.reader.read(names, dtype=dtype, device=device)
+        self.norm_weight = t["model.norm.weight"]  # [H]
+        # The LM head is kept transposed ([H, V]) for fast row-vector products; a tied embedding
+        # is then read as a strided view of the same buffer, so it costs no extra memory.
+        if tied:
+            self.lm_head_t = t.pop("model.embed_tokens.weight").t().contiguous()  # [H, V]
+            self.embed_weight = self.lm_head_t.t()  # [V, H] view
+        else:
+            self.embed_weight = t["model.embed_tokens.weight"]  # [V, H]
+            self.lm_head_t = t.pop("lm_head.weight").t().contiguous()  # [H, V]
+        self._layers: dict[int, LayerWeights] = {}
+        self.plan = plan
+        self.head = LayerStack(cfg, 0, [])
+        self.tail = LayerStack(cfg, cfg.n_layers, [])
+        self.set_split(plan)
+
+    def set_split(self, plan: SplitPlan) -> None:
+        """Re-split: read newly needed layers, drop ones no longer local. Caches are reset."""
+        if plan.n_layers != self.config.n_layers:
+            raise SplitError("split plan is for a different model")
+        want = list(range(0, plan.head)) + list(range(plan.n_layers - plan.tail, plan.n_layers))
+        missing = [i for i in want if i not in self._layers]
+        self._layers.update(read_layers(self.reader, self.config, missing, self.dtype, self.device))
+        for i in list(self._layers):
+            if i not in want:
+                del self._layers[i]
+        self.plan = plan
+        n = plan.n_layers
+        self.head = LayerStack(
+            self.config,
+            0,
+            [self._layers[i] for i in range(plan.head)],
+            dtype=self.dtype,
+            device=self.device,
+        )
+        tail_start = n - plan.tail
+        self.tail = LayerStack(
+            self.config,
+            tail_start,
+            [self._layers[i] for i in range(tail_start, n)],
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def trunk_fingerprint(self) -> str:
+        start, end = self.plan.trunk_range
+        return trunk_fingerprint(self.reader, self.config, start, end)
+
+    def local_param_bytes(self) -> int:
+        b = self.embed_weight.numel() * self.embed_weight.element_size()
+        b += self.norm_weight.numel() * self.norm_weight.element_size()
+        if self.embed_weight.data_ptr() != self.lm_head_t.data_ptr():
+            b += self.lm_head_t.numel() * self.lm_head_t.element_size()
+        return b + sum(w.nbytes() for w in self._layers.values())
+
+    def reset(self) -> None:
+        self.head.reset()
+        self.tail.reset()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids.to(self.device), self.embed_weight)  # [B, H]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(hidden, self.norm_weight, self.config.rms_eps)  # [B, H]
+        return (h @ self.lm_head_t).float()  # [B, V]
+
+
+class SplitRunner:
+    """Runs a block through head → trunk → tail → LM head and counts trunk round trips."""
+
+    def __init__(self, client: ClientModel, trunk: Trunk | None) -> None:
+        self.client = client
+        self.trunk = trunk
+        self.check()
+
+    def check(self) -> None:
+        plan = self.client.plan
+        if plan.fully_local:
+            return
+        if self.trunk is None:
+            raise SplitError("this split needs a trunk, but none is connected")
+        if (self.trunk.start, self.trunk.end) != plan.trunk_range:
+            raise SplitError(
+                f"trunk serves layers [{self.trunk.start}, {self.trunk.end}) but the split needs "
+                f"{list(plan.trunk_range)}"
+            )
+
+    @property
+    def remote(self) -> bool:
+        return not self.client.plan.fully_local
+
+    def reset(self) -> None:
+        self.client.reset()
+        if self.trunk is not None and self.remote:
+            self.trunk.reset()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits [B, V] (or [1, V] with ``last_only``) for a block of tokens."""
+        c = self.client
+        ids_t = torch.tensor(list(ids), dtype=torch.long, device=c.device)  # [B]
+        pos_t = torch.tensor(list(positions), dtype=torch.long, device=c.device)  # [B]
+        x = c.embed(ids_t)  # [B, H]
+        x = c.head.forward(x, pos_t, parents, keep)
+        if self.remote:
+            assert self.trunk is not None
+            x = self.trunk.forward(x, pos_t, parents, keep).to(device=c.device, dtype=c.dtype)
+        x = c.tail.forward(x, pos_t, parents, keep)
+        if last_only:
+            x = x[-1:]
+        return c.logits(x)
+
+
+def load_client(
+    spec: str,
+    local_layers: int = 2,
+    *,
+    tail_layers: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    progress: Progress | None = None,
+) -> ClientModel:
+    resolved = resolve(spec, progress)
+    config = load_config(resolved.folder)
+    if tail_layers is None:
+        plan = SplitPlan.symmetric(config.n_layers, local_layers)
+    else:
+        plan = SplitPlan.of(config.n_layers, local_layers, tail_layers)
+    return ClientModel(resolved, plan, dtype=dtype, device=device, config=config)
+
+
+def folder_of(spec: str | Path) -> Path:
+    return resolve(str(spec)).folder

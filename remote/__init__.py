@@ -1,0 +1,1 @@
+"""veil-trunk: the remote trunk service."""
