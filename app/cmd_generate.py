@@ -11,7 +11,7 @@ from typing import Any
 
 from app.progress import CliProgress
 from engine.chat import messages_for, prompt_ids
-from engine.generate import DECODERS, CancelToken, generate
+from engine.generate import CancelToken, available_decoders, generate
 from engine.loading import DEFAULT_MODEL
 from engine.sampling import SamplingParams
 from engine.session import RunnerOptions, open_runner
@@ -76,7 +76,7 @@ def add_parser(sub: Any) -> None:
 
 
 def default_decoder() -> str:
-    return "speculative" if "speculative" in DECODERS else "sequential"
+    return "speculative" if "speculative" in available_decoders() else "sequential"
 
 
 def runner_options(args: argparse.Namespace) -> RunnerOptions:

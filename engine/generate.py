@@ -201,6 +201,20 @@ def generate_sequential(
 
 Decoder = Callable[..., GenerationResult]
 DECODERS: dict[str, Decoder] = {"sequential": generate_sequential}
+_PLUGINS = ("engine.speculative",)  # modules that register more decoders on import
+
+
+def available_decoders() -> dict[str, Decoder]:
+    """All decoders, importing the optional decoder modules on first use."""
+    import importlib
+
+    for mod in _PLUGINS:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:
+                raise
+    return DECODERS
 
 
 def generate(
@@ -212,9 +226,10 @@ def generate(
     on_text: TextCallback | None = None,
     cancel: CancelToken | None = None,
 ) -> GenerationResult:
-    if decoder not in DECODERS:
+    decoders = available_decoders()
+    if decoder not in decoders:
         raise GenerationError(
-            f"unknown decoder '{decoder}'", hint="choose one of: " + ", ".join(sorted(DECODERS))
+            f"unknown decoder '{decoder}'", hint="choose one of: " + ", ".join(sorted(decoders))
         )
     with torch.inference_mode():
-        return DECODERS[decoder](runner, prompt_ids, params, on_text=on_text, cancel=cancel)
+        return decoders[decoder](runner, prompt_ids, params, on_text=on_text, cancel=cancel)
