@@ -53,6 +53,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("--system", default=None, help="system prompt")
     add_common_model_args(p)
+    p.add_argument(
+        "--server",
+        default=None,
+        metavar="ADDR|INVITE",
+        help="run the trunk on a veil-trunk server: tcp://HOST:PORT (its key saved before) "
+        "or an invite code from `veil-trunk invite` (default: the trunk runs here)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

