@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-export QT_QPA_PLATFORM ?= offscreen
+
 
 .PHONY: help install run test lint fix typecheck pytest bench audit installer clean
 
@@ -37,7 +37,7 @@ fix: install  ## apply ruff fixes and formatting
 	$(BIN)/ruff format .
 
 pytest: install  ## run the test suite only
-	$(BIN)/python -m pytest -q
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q
 
 test: lint pytest  ## install, lint, type-check and run every test
 

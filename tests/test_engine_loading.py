@@ -153,3 +153,25 @@ def test_cli_generate_json(tiny_llama: Path) -> None:
     )
     assert streamed.returncode == 0
     assert streamed.stdout == out["text"] + "\n"
+
+
+def test_hf_repo_id_from_the_local_cache(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repo id resolves to its snapshot in the HF cache, offline, without downloading."""
+    import shutil
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-llama"
+    snap = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_llama, snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    resolved = resolve("acme/tiny-llama")
+    assert resolved.folder.resolve() == snap.resolve()
+    assert load_config(resolved.folder).n_layers == 4
