@@ -67,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         in (
             "--pane",
             "--data-dir",
+            "--model",
+            "--theme",
         )
     ):
         return _run_gui(args_list)

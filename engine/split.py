@@ -170,6 +170,7 @@ class ClientModel:
         device: str = "cpu",
         config: ModelConfig | None = None,
         tokenizer: Any = None,
+        private_weights: str | Path | None = None,
     ) -> None:
         self.resolved = resolved
         self.name = resolved.name
@@ -177,7 +178,11 @@ class ClientModel:
         self.device = torch.device(device)
         self.config = config or load_config(resolved.folder)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(resolved.folder)
-        self.reader = WeightReader(resolved.folder)
+        self.reader: Any = WeightReader(resolved.folder)
+        if private_weights is not None:  # organisation-private head/tail layers
+            from engine.audit.overlay import OverlayReader
+
+            self.reader = OverlayReader(self.reader, Path(private_weights), self.config)
         cfg = self.config
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         tied = cfg.tie_word_embeddings or not self.reader.has("lm_head.weight")
@@ -204,6 +209,8 @@ class ClientModel:
         if plan.n_layers != self.config.n_layers:
             raise SplitError("split plan is for a different model")
         want = list(range(0, plan.head)) + list(range(plan.n_layers - plan.tail, plan.n_layers))
+        if hasattr(self.reader, "check_plan"):
+            self.reader.check_plan(plan.head, plan.n_layers - plan.tail)
         missing = [i for i in want if i not in self._layers]
         self._layers.update(read_layers(self.reader, self.config, missing, self.dtype, self.device))
         for i in list(self._layers):
@@ -311,6 +318,7 @@ def load_client(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     progress: Progress | None = None,
+    private_weights: str | Path | None = None,
 ) -> ClientModel:
     resolved = resolve(spec, progress)
     config = load_config(resolved.folder)
@@ -318,7 +326,9 @@ def load_client(
         plan = SplitPlan.symmetric(config.n_layers, local_layers)
     else:
         plan = SplitPlan.of(config.n_layers, local_layers, tail_layers)
-    return ClientModel(resolved, plan, dtype=dtype, device=device, config=config)
+    return ClientModel(
+        resolved, plan, dtype=dtype, device=device, config=config, private_weights=private_weights
+    )
 
 
 def folder_of(spec: str | Path) -> Path:

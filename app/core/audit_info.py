@@ -1,0 +1,120 @@
+"""The privacy-audit figure shown beside the slider, read from the latest stored audit."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import VeilError
+
+log = logging.getLogger("veil.app")
+
+NOT_AUDITED = "not audited yet"
+
+
+@dataclass(frozen=True)
+class AuditFigure:
+    k: int
+    top1: float | None  # worst-case top-1 token recovery at this k (0..1)
+    attack: str
+    date: str  # the audit's date, "" when there is none
+
+    @property
+    def value(self) -> str:
+        """The big figure beside the slider."""
+        return NOT_AUDITED if self.top1 is None else f"{self.top1 * 100:.0f}%"
+
+    @property
+    def caption(self) -> str:
+        if self.top1 is None:
+            return f"This setting was not measured (audit of {self.date})" if self.date else ""
+        return f"of words, worst case of all attacks (audit of {self.date})"
+
+    @property
+    def text(self) -> str:
+        if self.top1 is None:
+            return NOT_AUDITED if not self.date else f"k={self.k} not measured ({self.date})"
+        return f"{self.top1 * 100:.0f}% of words recoverable at worst (audit of {self.date})"
+
+
+def _store() -> Any:
+    if importlib.util.find_spec("engine.audit") is None:
+        return None
+    try:
+        from engine.audit import store
+    except ImportError as exc:
+        log.info("audit store unavailable: %s", exc)
+        return None
+    return store
+
+
+def latest(model_name: str) -> dict[str, Any] | None:
+    store = _store()
+    if store is None:
+        return None
+    try:
+        return store.latest_results(model_name)  # type: ignore[no-any-return]
+    except Exception as exc:  # a broken audit file never breaks the app
+        log.warning("reading the audit of %s: %s", model_name, exc)
+        return None
+
+
+def figure(model_name: str, k: int) -> AuditFigure:
+    data = latest(model_name)
+    if data is None:
+        return AuditFigure(k, None, "", "")
+    date = str(data.get("date", ""))[:10]
+    store = _store()
+    worst = store.worst_case(data, k) if store is not None else None
+    if worst is None:
+        return AuditFigure(k, None, "", date or "unknown date")
+    return AuditFigure(k, float(worst[0]), str(worst[1]), date)
+
+
+def rows(model_name: str) -> list[dict[str, Any]]:
+    """The audit's result rows, sorted by k, for the details dialog."""
+    data = latest(model_name)
+    if data is None:
+        return []
+    out = [r for r in data.get("results", []) if isinstance(r, dict)]
+    return sorted(out, key=lambda r: (int(r.get("k", 0)), str(r.get("attack")), str(r.get("side"))))
+
+
+def audit_runner_available() -> bool:
+    """True when the audit module can be run from the app."""
+    pkg = _audit_pkg()
+    return pkg is not None and hasattr(pkg, "run_audit")
+
+
+def _audit_pkg() -> Any:
+    if importlib.util.find_spec("engine.audit") is None:
+        return None
+    try:
+        import engine.audit as pkg
+    except ImportError:
+        return None
+    return pkg
+
+
+def audit_depths(n_layers: int, current: int) -> list[int]:
+    """The split depths a quick audit from the app measures (the slider's current one too)."""
+    top = n_layers // 2
+    return sorted({k for k in (1, 2, 3, 4, 6, 8, current) if 1 <= k <= top})
+
+
+def run_blocking(
+    model: str,
+    ks: list[int],
+    progress: Callable[[str, float], None] | None,
+    cancelled: Callable[[], bool],
+) -> dict[str, Any]:
+    """Run a quick audit and store it as the model's latest (worker thread)."""
+    pkg = _audit_pkg()
+    if pkg is None or not hasattr(pkg, "run_audit"):
+        raise VeilError("the privacy audit is not part of this installation")
+    return pkg.run_audit(  # type: ignore[no-any-return]
+        model, ks, None, quick=True, progress=progress, cancel=cancelled, save=True
+    )

@@ -1,0 +1,321 @@
+"""Chat: conversations, sending, streaming, stop, regenerate, edit-and-resend, export.
+
+Qt-free. Every change is written to the store as it happens; streamed text is saved at most
+every half second and when the reply ends, so a crash loses almost nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from app.core.engine_host import CONNECTED, LOCAL, OFFLINE, EngineHost
+from app.core.settings import Settings
+from app.core.storage import Message, Store
+from app.core.tasks import Event, Executor, Task, TaskContext
+from engine.chat import prompt_ids
+from engine.errors import GenerationError, VeilError
+from engine.generate import GenerationResult
+
+SAVE_EVERY_S = 0.5
+
+
+def title_from(text: str, limit: int = 40) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+def fit_history(tokenizer: Any, messages: list[dict[str, str]], limit: int) -> list[int]:
+    """Prompt ids for ``messages``, dropping the oldest turns (never the system prompt or the
+    last message) until the prompt fits in ``limit`` tokens."""
+    msgs = list(messages)
+    while True:
+        ids = prompt_ids(tokenizer, msgs)
+        if len(ids) <= limit:
+            return ids
+        first = 1 if msgs and msgs[0]["role"] == "system" else 0
+        if len(msgs) - first <= 1:
+            raise GenerationError(
+                "the message is too long for this model",
+                hint="shorten the message or start a new chat",
+            )
+        del msgs[first]
+
+
+class ChatController:
+    def __init__(self, store: Store, host: EngineHost, executor: Executor, settings: Settings):
+        self.store, self.host, self.executor, self.settings = store, host, executor, settings
+        self.current: int | None = None
+        self.busy = False
+        self._task: Task | None = None
+        self._streaming: Message | None = None
+        self._last_save = 0.0
+        # events (called on the GUI thread)
+        self.conversations_changed = Event()  # ()
+        self.conversation_opened = Event()  # (conv_id | None)
+        self.message_added = Event()  # (Message)
+        self.message_updated = Event()  # (Message) streamed text so far
+        self.message_removed = Event()  # (msg_id)
+        self.busy_changed = Event()  # (bool)
+        self.failed = Event()  # (VeilError, text to put back in the composer)
+        self.gauges = Event()  # (dict)
+        self.progress = Event()  # (stage, fraction)
+        self.state_changed = Event()  # (state)
+        self.finished = Event()  # (GenerationResult)
+
+    # --- conversations ------------------------------------------------------------------------
+
+    def new_conversation(self) -> int:
+        conv_id = self.store.create_conversation(system_prompt=self.settings.system_prompt)
+        self.conversations_changed.emit()
+        self.open(conv_id)
+        return conv_id
+
+    def open(self, conv_id: int | None) -> None:
+        if conv_id is not None and self.store.conversation(conv_id) is None:
+            conv_id = None
+        self.current = conv_id
+        self.store.set("last_conversation", conv_id)
+        self.conversation_opened.emit(conv_id)
+
+    def restore_last(self) -> None:
+        self.open(self.store.get("last_conversation"))
+
+    def messages(self) -> list[Message]:
+        return self.store.messages(self.current) if self.current is not None else []
+
+    def rename(self, conv_id: int, title: str) -> None:
+        title = title.strip()
+        if not title:
+            raise VeilError("a chat needs a name")
+        self.store.rename_conversation(conv_id, title)
+        self.conversations_changed.emit()
+
+    def delete(self, conv_id: int) -> None:
+        if self.busy and conv_id == self.current:
+            self.stop()
+        self.store.delete_conversation(conv_id)
+        if conv_id == self.current:
+            self.open(None)
+        self.conversations_changed.emit()
+
+    def system_prompt(self) -> str:
+        conv = self.store.conversation(self.current) if self.current is not None else None
+        return conv.system_prompt if conv else self.settings.system_prompt
+
+    def set_system_prompt(self, text: str) -> None:
+        self.settings.system_prompt = text
+        self.settings.save(self.store)
+        if self.current is not None:
+            self.store.set_system_prompt(self.current, text)
+
+    def draft(self) -> str:
+        return str(self.store.get(f"draft:{self.current}", "") or "")
+
+    def save_draft(self, text: str) -> None:
+        key = f"draft:{self.current}"
+        if text:
+            self.store.set(key, text)
+        else:
+            self.store.delete_key(key)
+
+    # --- generation ---------------------------------------------------------------------------
+
+    def send(self, text: str) -> bool:
+        """Send a user message; False (and nothing changes) when busy or empty."""
+        text = text.strip()
+        if self.busy or not text:
+            return False
+        if self.current is None:
+            self.new_conversation()
+        assert self.current is not None
+        if not self.store.messages(self.current):
+            self.store.rename_conversation(self.current, title_from(text))
+            self.conversations_changed.emit()
+        user = self.store.add_message(self.current, "user", text)
+        self.message_added.emit(user)
+        self.save_draft("")
+        self._start(restore=text, user_id=user.id)
+        return True
+
+    def regenerate(self) -> bool:
+        """Drop the last reply and answer the last user message again."""
+        msgs = self.messages()
+        if self.busy or not msgs:
+            return False
+        if msgs[-1].role == "assistant":
+            self.store.delete_messages_from(msgs[-1].conversation_id, msgs[-1].id)
+            self.message_removed.emit(msgs[-1].id)
+        if not any(m.role == "user" for m in self.messages()):
+            return False
+        self._start(restore="", user_id=None)
+        return True
+
+    def edit_last(self, text: str) -> bool:
+        """Replace the last user message (and its reply) with ``text`` and send it."""
+        msgs = self.messages()
+        users = [m for m in msgs if m.role == "user"]
+        if self.busy or not users or not text.strip():
+            return False
+        last = users[-1]
+        for m in msgs:
+            if m.id >= last.id:
+                self.message_removed.emit(m.id)
+        self.store.delete_messages_from(last.conversation_id, last.id)
+        return self.send(text)
+
+    def last_user_text(self) -> str:
+        users = [m for m in self.messages() if m.role == "user"]
+        return users[-1].content if users else ""
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel.cancel()
+
+    def _history(self) -> list[dict[str, str]]:
+        out = []
+        system = self.system_prompt()
+        if system.strip():
+            out.append({"role": "system", "content": system})
+        for m in self.messages():
+            if m.role in ("user", "assistant") and (m.content or m.role == "user"):
+                out.append({"role": m.role, "content": m.content})
+        return out
+
+    def _start(self, restore: str, user_id: int | None) -> None:
+        assert self.current is not None
+        conv_id = self.current
+        history = self._history()
+        reply = self.store.add_message(conv_id, "assistant", "")
+        self._streaming = reply
+        self.message_added.emit(reply)
+        params = self.settings.sampling()
+        host = self.host
+
+        def work(ctx: TaskContext) -> GenerationResult:
+            runner = host.ensure_ready_blocking(ctx.progress)
+            cfg = runner.client.config
+            limit = cfg.max_position_embeddings - min(params.max_new_tokens, 1024)
+            ids = fit_history(runner.client.tokenizer, history, max(limit, 16))
+            return host.generate_blocking(
+                ids, params, on_text=ctx.text, cancel=ctx.cancel, report=ctx.report
+            )
+
+        def on_text(delta: str) -> None:
+            reply.content += delta
+            now = time.monotonic()
+            if now - self._last_save >= SAVE_EVERY_S:
+                self._last_save = now
+                self.store.update_message(reply.id, reply.content)
+            self.message_updated.emit(reply)
+
+        def on_done(result: GenerationResult) -> None:
+            reply.finish_reason = result.finish_reason
+            reply.stats = result.stats.to_dict()
+            reply.content = result.text
+            self.store.update_message(reply.id, reply.content, result.finish_reason, reply.stats)
+            self.message_updated.emit(reply)
+            self._end()
+            self.finished.emit(result)
+
+        def on_error(err: VeilError) -> None:
+            if reply.content:
+                reply.finish_reason = "error"
+                self.store.update_message(reply.id, reply.content, "error")
+                self.message_updated.emit(reply)
+                put_back = ""
+            else:  # nothing came back: undo the turn, give the text back to the composer
+                self.store.delete_messages_from(conv_id, user_id or reply.id)
+                self.message_removed.emit(reply.id)
+                if user_id is not None:
+                    self.message_removed.emit(user_id)
+                put_back = restore
+                if put_back and self.current == conv_id:
+                    self.save_draft(put_back)
+            self._end()
+            self.failed.emit(err, put_back)
+
+        def on_report(values: dict[str, Any]) -> None:
+            self.gauges.emit(values)
+
+        self._task = Task(
+            "chat",
+            work,
+            on_done=on_done,
+            on_error=on_error,
+            on_text=on_text,
+            on_progress=lambda s, f: self.progress.emit(s, f),
+            on_report=on_report,
+        )
+        self._set_busy(True)
+        self.executor.submit(self._task)
+
+    def _end(self) -> None:
+        self._task = None
+        self._streaming = None
+        if self.current is not None:
+            self.store.touch(self.current)
+        self._set_busy(False)
+        self.state_changed.emit(self.host.state)
+
+    def _set_busy(self, busy: bool) -> None:
+        if busy != self.busy:
+            self.busy = busy
+            self.busy_changed.emit(busy)
+
+    # --- connection -----------------------------------------------------------------------
+
+    def needs_reconnect(self) -> bool:
+        return self.host.state == OFFLINE and not self.busy
+
+    def reconnect(self) -> None:
+        """Try the server again in the background (the GUI calls this on a timer)."""
+        if not self.needs_reconnect():
+            return
+
+        def done(_: object) -> None:
+            self._set_busy(False)
+            self.state_changed.emit(self.host.state)
+
+        self._set_busy(True)
+        self.executor.submit(
+            Task("reconnect", lambda ctx: self.host.probe_blocking(), on_done=done, on_error=done)
+        )
+
+    def connected(self) -> bool:
+        return self.host.state in (CONNECTED, LOCAL)
+
+    # --- export -------------------------------------------------------------------------------
+
+    def export_markdown(self, conv_id: int) -> str:
+        conv = self.store.conversation(conv_id)
+        if conv is None:
+            raise VeilError("that chat no longer exists")
+        lines = [f"# {conv.title}", ""]
+        if conv.system_prompt:
+            lines += [f"> System prompt: {conv.system_prompt}", ""]
+        names = {"user": "You", "assistant": "Veil"}
+        for m in self.store.messages(conv_id):
+            lines += [f"**{names.get(m.role, m.role)}:**", "", m.content, ""]
+        return "\n".join(lines).rstrip() + "\n"
+
+    def export_json(self, conv_id: int) -> str:
+        conv = self.store.conversation(conv_id)
+        if conv is None:
+            raise VeilError("that chat no longer exists")
+        data = {
+            "title": conv.title,
+            "system_prompt": conv.system_prompt,
+            "created": conv.created,
+            "messages": [
+                {
+                    "role": m.role,
+                    "content": m.content,
+                    "created": m.created,
+                    "finish_reason": m.finish_reason,
+                }
+                for m in self.store.messages(conv_id)
+            ],
+        }
+        return json.dumps(data, indent=2, ensure_ascii=False) + "\n"

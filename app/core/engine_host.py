@@ -1,0 +1,391 @@
+"""The engine as the app uses it: one client model, one trunk connection, re-split on demand.
+
+Methods named ``*_blocking`` run on the worker thread (they load, connect, generate); the rest
+are cheap and called from the GUI thread. The slider only records the wanted split; the next
+task applies it, so a re-split never interrupts a reply and never loses the conversation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from app.core.gauges import local_weight_bytes, max_local_layers, process_memory_bytes
+from app.core.settings import MODE_DEMO, MODE_IN_PROCESS, MODE_SERVER
+from engine.config import ModelConfig
+from engine.errors import TransportError, VeilError
+from engine.generate import CancelToken, GenerationResult, available_decoders, generate
+from engine.loading import Progress, load_config, resolve
+from engine.sampling import SamplingParams
+from engine.session import parse_dtype
+from engine.split import ClientModel, SplitPlan, SplitRunner, Trunk, load_client, load_trunk
+
+log = logging.getLogger("veil.app")
+
+# connection states shown to the user
+IDLE = "Not started"
+LOADING = "Loading the model"
+CONNECTING = "Connecting"
+CONNECTED = "Connected"
+LOCAL = "Fully on this computer"
+OFFLINE = "Server unreachable"
+
+
+class TrunkSource:
+    """Where trunk sessions come from."""
+
+    label = "trunk"
+
+    def open(self, client: ClientModel, progress: Progress | None) -> Trunk:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class InProcessSource(TrunkSource):
+    """The trunk layers in this process (no network; used when no server module is present)."""
+
+    label = "in this app (no server)"
+
+    def __init__(self, dtype: str, device: str) -> None:
+        self.dtype, self.device = dtype, device
+
+    def open(self, client: ClientModel, progress: Progress | None) -> Trunk:
+        start, end = client.plan.trunk_range
+        return load_trunk(
+            client.resolved,
+            start,
+            end,
+            dtype=parse_dtype(self.dtype),
+            device=self.device,
+            progress=progress,
+        )
+
+
+# Transport timeouts: give up on a lost server after CONNECT_OPTS["reconnect_s"] seconds and
+# show an error (the app keeps probing and reconnects by itself when the server is back).
+CONNECT_OPTS: dict[str, float] = {"timeout_s": 5.0, "reconnect_s": 15.0, "connect_timeout_s": 10.0}
+
+
+class DemoServerSource(TrunkSource):
+    """'Try it on this computer': a real ``veil-trunk serve`` child process on loopback
+    (started on first use, restarted if it died, stopped with the app). Tests may pass a
+    running ``server`` they own instead."""
+
+    label = "demo server on this computer"
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        device: str,
+        server: Any = None,
+        connect_opts: dict[str, float] | None = None,
+    ) -> None:
+        self.model, self.dtype, self.device = model, dtype, device
+        self.server: Any = server
+        self.owned = server is None
+        self.connect_opts = dict(CONNECT_OPTS if connect_opts is None else connect_opts)
+
+    def open(self, client: ClientModel, progress: Progress | None) -> Trunk:
+        from engine.local_server import start_local_trunk
+
+        if self.server is None:
+            if progress:
+                progress("starting the demo server", 0.0)
+            self.server = start_local_trunk(
+                self.model, min_local_layers=1, device=self.device, dtype=self.dtype
+            )
+        elif self.owned and not self.server.running:
+            if progress:
+                progress("restarting the demo server", 0.0)
+            self.server.restart()
+        # loopback: activations travel as float32, so replies equal in-process ones bit for bit
+        return self.server.connect(  # type: ignore[no-any-return]
+            client, wire_dtype="float32", **self.connect_opts
+        )
+
+    def close(self) -> None:
+        if self.server is not None and self.owned:
+            server, self.server = self.server, None
+            server.stop()
+
+
+class InviteSource(TrunkSource):
+    """The organization's server, from an invite code (keys live in the OS keyring)."""
+
+    label = "your organization's server"
+
+    def __init__(self, invite: str) -> None:
+        self.invite = invite.strip()
+
+    def open(self, client: ClientModel, progress: Progress | None) -> Trunk:
+        from engine.transport import connect_trunk
+
+        o = CONNECT_OPTS
+        return connect_trunk(
+            self.invite,
+            client,
+            progress=progress,
+            timeout_s=o["timeout_s"],
+            reconnect_s=o["reconnect_s"],
+            connect_timeout_s=o["connect_timeout_s"],
+        )
+
+
+def demo_server_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("engine.local_server") is not None
+
+
+def make_source(mode: str, model: str, invite: str, dtype: str, device: str) -> TrunkSource:
+    if mode == MODE_SERVER:
+        return InviteSource(invite)
+    if mode == MODE_DEMO and demo_server_available():
+        return DemoServerSource(model, dtype, device)
+    if mode not in (MODE_DEMO, MODE_IN_PROCESS):
+        raise VeilError(f"unknown connection mode '{mode}'")
+    return InProcessSource(dtype, device)
+
+
+class _CountingRunner:
+    """Delegates to a runner and counts its forward calls (= round trips) while generating."""
+
+    def __init__(self, runner: SplitRunner) -> None:
+        self._runner = runner
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self._runner.forward(*args, **kwargs)
+
+
+class EngineHost:
+    def __init__(
+        self,
+        model: str,
+        mode: str = MODE_DEMO,
+        invite: str = "",
+        local_layers: int = 2,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> None:
+        self.model, self.mode, self.invite = model, mode, invite
+        self.dtype, self.device = dtype, device
+        self.wanted_k = local_layers
+        self.runner: SplitRunner | None = None
+        self.source: TrunkSource | None = None
+        self.config: ModelConfig | None = None
+        self.state = IDLE
+        self.last_error = ""
+        self._lock = threading.RLock()  # held by the worker while it uses the runner
+
+    # --- cheap, GUI thread ------------------------------------------------------------------
+
+    @property
+    def applied_k(self) -> int | None:
+        return self.runner.client.plan.head if self.runner else None
+
+    @property
+    def max_k(self) -> int | None:
+        return max_local_layers(self.config) if self.config else None
+
+    def request_split(self, k: int) -> None:
+        """Use ``k`` local layers per side from the next message on."""
+        self.wanted_k = k
+
+    def reconfigure(self, model: str, mode: str, invite: str) -> None:
+        """New model or server: everything is reloaded/reconnected by the next task."""
+        if (model, mode, invite) != (self.model, self.mode, self.invite):
+            self.model, self.mode, self.invite = model, mode, invite
+            self.shutdown_blocking()
+            self.config = None
+            self.state = IDLE
+
+    def memory_for_k(self, k: int) -> int | None:
+        return local_weight_bytes(self.config, k, self.dtype) if self.config else None
+
+    def trunk_label(self) -> str:
+        if self.runner is not None and not self.runner.remote:
+            return "nothing (fully local)"
+        return self.source.label if self.source else "-"
+
+    # --- worker thread ------------------------------------------------------------------------
+
+    def read_config_blocking(self, progress: Progress | None = None) -> ModelConfig:
+        if self.config is None:
+            self.config = load_config(resolve(self.model, progress).folder)
+        return self.config
+
+    def ensure_ready_blocking(self, progress: Progress | None = None) -> SplitRunner:
+        """Load the model, apply the wanted split and connect the trunk, as needed."""
+        with self._lock:
+            cfg = self.read_config_blocking(progress)
+            k = max(1, min(self.wanted_k, max_local_layers(cfg)))
+            plan = SplitPlan.symmetric(cfg.n_layers, k)
+            if self.runner is None:
+                self.state = LOADING
+                client = load_client(
+                    self.model,
+                    k,
+                    dtype=parse_dtype(self.dtype),
+                    device=self.device,
+                    progress=progress,
+                )
+                self.runner = _unchecked_runner(client)  # the trunk is connected below
+            runner = self.runner
+            if runner.client.plan != plan:
+                self._close_trunk()
+                runner.client.set_split(plan)
+            if plan.fully_local:
+                self._close_trunk()
+                self.state = LOCAL
+                return runner
+            if runner.trunk is None:
+                self.state = CONNECTING
+                if self.source is None:
+                    self.source = make_source(
+                        self.mode, self.model, self.invite, self.dtype, self.device
+                    )
+                try:
+                    runner.trunk = self.source.open(runner.client, progress)
+                except VeilError as exc:
+                    self.state = OFFLINE
+                    self.last_error = str(exc)
+                    raise
+                runner.check()
+            self.state = CONNECTED
+            return runner
+
+    def _close_trunk(self) -> None:
+        if self.runner is not None and self.runner.trunk is not None:
+            trunk, self.runner.trunk = self.runner.trunk, None
+            try:
+                trunk.close()
+            except Exception as exc:  # a dead connection may fail to close; that is fine
+                log.info("closing the trunk: %s", exc)
+
+    def generate_blocking(
+        self,
+        ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        on_text: Callable[[str], None],
+        cancel: CancelToken,
+        report: Callable[[dict[str, Any]], None] | None = None,
+        progress: Progress | None = None,
+        decoder: str | None = None,
+    ) -> GenerationResult:
+        """One reply; ``report`` gets live gauge values about every 0.3 s."""
+        runner = self.ensure_ready_blocking(progress)
+        with self._lock:
+            counting = _CountingRunner(runner)
+            t0 = time.perf_counter()
+            first = [0.0, 0.0]  # time of the first text, live token count
+            last = [0.0]
+
+            def text(delta: str) -> None:
+                first[1] += 1
+                now = time.perf_counter()
+                if not first[0]:
+                    first[0] = now
+                on_text(delta)
+                if report and now - last[0] > 0.3:
+                    last[0] = now
+                    span = now - first[0]
+                    report(
+                        self._live(
+                            tok_s=(first[1] - 1) / span if span > 0 else None,
+                            per_rt=first[1] / max(counting.calls, 1),
+                        )
+                    )
+
+            dec = decoder or ("speculative" if "speculative" in available_decoders() else None)
+            try:
+                result = generate(
+                    counting,  # type: ignore[arg-type]
+                    ids,
+                    params,
+                    decoder=dec or "sequential",
+                    on_text=text,
+                    cancel=cancel,
+                )
+            except TransportError as exc:
+                self.state = OFFLINE
+                self.last_error = str(exc)
+                self._close_trunk()
+                raise
+            except VeilError:
+                raise
+            except Exception as exc:
+                if "zmq" in type(exc).__module__:
+                    self.state = OFFLINE
+                    self._close_trunk()
+                    raise TransportError(
+                        f"the connection to the server failed ({exc})",
+                        hint="the app reconnects when the server is back",
+                    ) from None
+                raise
+            secs = time.perf_counter() - t0
+            log.debug("generated %d tokens in %.2fs", result.stats.new_tokens, secs)
+            if report:
+                st = result.stats
+                report(
+                    self._live(
+                        tok_s=st.decode_tok_s or None, per_rt=st.tokens_per_round_trip or None
+                    )
+                )
+            return result
+
+    def _live(self, tok_s: float | None, per_rt: float | None) -> dict[str, Any]:
+        mem, label = process_memory_bytes(self.device)
+        out: dict[str, Any] = {
+            "tokens_per_s": tok_s,
+            "tokens_per_round_trip": per_rt,
+            "memory_bytes": mem,
+            "memory_label": label,
+            "connection": self.state,
+            "rtt_ms": None,
+        }
+        trunk = self.runner.trunk if self.runner else None
+        stats = getattr(trunk, "json_stats", None)
+        if callable(stats):
+            try:
+                out["rtt_ms"] = stats().get("rtt_ms")
+            except Exception as exc:
+                log.debug("json_stats: %s", exc)
+        return out
+
+    def probe_blocking(self) -> bool:
+        """After a failure: try to connect again; True when the trunk is back."""
+        try:
+            self.ensure_ready_blocking(None)
+        except VeilError as exc:
+            self.last_error = str(exc)
+            return False
+        return True
+
+    def shutdown_blocking(self) -> None:
+        with self._lock:
+            self._close_trunk()
+            self.runner = None
+            if self.source is not None:
+                self.source.close()
+                self.source = None
+            self.state = IDLE
+
+
+def _unchecked_runner(client: ClientModel) -> SplitRunner:
+    """A runner whose trunk is connected just after (SplitRunner checks in __init__)."""
+    runner = SplitRunner.__new__(SplitRunner)
+    runner.client = client
+    runner.trunk = None
+    return runner

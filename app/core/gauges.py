@@ -1,0 +1,94 @@
+"""Numbers for the gauges panel: local memory for a split, process memory, a rolling tokens/s
+history for the chart."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """Parameters of one decoder layer (attention + MLP + its two norms)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q = h * cfg.n_heads * hd
+    kv = 2 * h * cfg.n_kv_heads * hd
+    o = cfg.n_heads * hd * h
+    bias = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd if cfg.attn_bias else 0
+    mlp = 3 * h * cfg.intermediate_size
+    return q + kv + o + bias + mlp + 2 * h
+
+
+def local_weight_bytes(cfg: ModelConfig, k: int, dtype: str = "float32") -> int:
+    """Bytes of weights on this computer when ``k`` layers run locally at each end:
+    embedding + LM head (once when tied) + final norm + the 2k local layers (k + k, fewer
+    when both ends meet)."""
+    per = DTYPE_BYTES.get(dtype.lower(), 4)
+    emb = cfg.vocab_size * cfg.hidden_size
+    head = 0 if cfg.tie_word_embeddings else emb
+    n_local = min(2 * k, cfg.n_layers)
+    return per * (emb + head + cfg.hidden_size + n_local * layer_params(cfg))
+
+
+def max_local_layers(cfg: ModelConfig) -> int:
+    """The slider's rightmost value: every layer on this computer."""
+    return (cfg.n_layers + 1) // 2
+
+
+def process_memory_bytes(device: str = "cpu") -> tuple[int, str]:
+    """(bytes, label): VRAM allocated on CUDA, else this process's resident memory."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.memory_allocated()), "GPU memory (VRAM)"
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss), "process memory (RSS)"
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE"), "process memory (RSS)"
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak memory"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit in ("B", "KB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+@dataclass
+class GaugeState:
+    """The latest values shown in the gauges panel (None = not known yet)."""
+
+    tokens_per_s: float | None = None
+    tokens_per_round_trip: float | None = None
+    rtt_ms: float | None = None
+    memory_bytes: int | None = None
+    memory_label: str = "process memory (RSS)"
+    connection: str = "Not started"
+    generating: bool = False
+    history: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=600))
+
+    def record(self, tok_s: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.tokens_per_s = tok_s
+        self.history.append((now, tok_s))
+
+    def last_minute(self, now: float | None = None) -> list[tuple[float, float]]:
+        """(seconds ago, tokens/s) points from the last 60 s, oldest first."""
+        now = time.monotonic() if now is None else now
+        return [(now - t, v) for t, v in self.history if now - t <= 60.0]

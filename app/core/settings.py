@@ -1,0 +1,78 @@
+"""User settings: a dataclass stored as one JSON value in the app database."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from app.core.storage import Store
+from engine.errors import VeilError
+from engine.loading import DEFAULT_MODEL
+from engine.sampling import SamplingParams
+
+# How the app gets its trunk.
+MODE_DEMO = "demo"  # a veil-trunk child process on this computer ("Try it on this computer")
+MODE_SERVER = "server"  # the organization's server, from an invite code
+MODE_IN_PROCESS = "in-process"  # trunk layers in this process (tests, no remote module)
+
+THEMES = ("system", "light", "dark")
+
+PRESETS: dict[str, str] = {
+    "Helpful assistant": "You are a helpful, concise assistant.",
+    "Office writer": "You help office staff write clear, friendly and professional text.",
+    "Explain simply": "Explain things simply, in short sentences, without jargon.",
+    "No system prompt": "",
+}
+
+
+@dataclass
+class Settings:
+    first_run_done: bool = False
+    mode: str = MODE_DEMO
+    invite: str = ""
+    model: str = DEFAULT_MODEL
+    local_layers: int = 2
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    theme: str = "system"
+    font_size: int = 10
+    system_prompt: str = PRESETS["Helpful assistant"]
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def validate(self) -> None:
+        if self.mode not in (MODE_DEMO, MODE_SERVER, MODE_IN_PROCESS):
+            raise VeilError(f"unknown connection mode '{self.mode}'")
+        if self.mode == MODE_SERVER and not self.invite.strip():
+            raise VeilError(
+                "no invite code", hint="paste the invite code your IT department gave you"
+            )
+        if self.theme not in THEMES:
+            raise VeilError(f"unknown theme '{self.theme}'", hint="light, dark or system")
+        if not 6 <= self.font_size <= 32:
+            raise VeilError("font size must be between 6 and 32 points")
+        if self.local_layers < 1:
+            raise VeilError("at least one layer must run on this computer")
+        self.sampling().validate()
+
+    def sampling(self, max_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_tokens or self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+        )
+
+    @classmethod
+    def load(cls, store: Store) -> Settings:
+        raw: dict[str, Any] = store.get("settings", {}) or {}
+        known = {f.name for f in fields(cls)}
+        s = cls(**{k: v for k, v in raw.items() if k in known})
+        try:
+            s.validate()
+        except VeilError:
+            return cls()  # a damaged settings value never blocks the app
+        return s
+
+    def save(self, store: Store) -> None:
+        store.set("settings", asdict(self))

@@ -1,0 +1,181 @@
+"""Capture the app's panes and dialogs at 1280×800, light and dark, for docs/screenshots.
+
+    QT_QPA_PLATFORM=offscreen python -m app.screenshots docs/screenshots \
+        [--model SPEC] [--audit-from results.json]
+
+Everything shown is real: replies come from the model through the built-in demo server (a
+real ``veil-trunk`` child process); the audit table shows the audit file given (if any).
+Dialogs are drawn over the dimmed main window, as a user sees them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QEventLoop, QPoint, QTimer
+from PySide6.QtGui import QColor, QPainter, QPixmap, QTextCursor
+from PySide6.QtWidgets import QApplication, QWidget
+
+from app.core.engine_host import DemoServerSource
+from app.core.settings import MODE_DEMO
+from app.smoke import DOC_TEXT, DOC_TITLE, SELECT
+from engine.loading import DEFAULT_MODEL
+
+CHAT = (
+    "Write a short, friendly reminder that the team meeting moved to 3 pm on Friday.",
+    "Show a tiny Python function that adds two numbers.",
+)
+
+
+def wait(cond: Any, timeout_s: float = 600) -> None:
+    loop = QEventLoop()
+    timer = QTimer(interval=100)
+    timer.timeout.connect(lambda: loop.quit() if cond() else None)
+    QTimer.singleShot(int(timeout_s * 1000), loop.quit)
+    timer.start()
+    loop.exec()
+    timer.stop()
+    if not cond():
+        raise SystemExit(f"screenshots: timed out after {timeout_s:g} s")
+
+
+def settle(ms: int = 300) -> None:
+    loop = QEventLoop()
+    QTimer.singleShot(ms, loop.quit)
+    loop.exec()
+
+
+def save(window: QWidget, out: Path, dialog: QWidget | None = None) -> None:
+    settle()
+    shot: QPixmap = window.grab()
+    if dialog is not None:
+        dialog.show()
+        settle()
+        d = dialog.grab()
+        dialog.hide()
+        p = QPainter(shot)
+        p.fillRect(shot.rect(), QColor(0, 0, 0, 150))
+        at = QPoint((shot.width() - d.width()) // 2, (shot.height() - d.height()) // 2)
+        p.drawPixmap(at, d)
+        p.end()
+    shot.save(str(out))
+    print(f"screenshots: {out}")
+
+
+def capture(theme: str, data: Path, out: Path, args: argparse.Namespace) -> None:
+    from app.main_window import create, parse_args
+    from app.views.audit_dialog import AuditDialog
+    from app.views.first_run_dialog import FirstRunDialog
+    from app.views.settings_dialog import SettingsDialog
+
+    app, w = create(parse_args(["--theme", theme]), str(data))
+    s = app.settings
+    s.first_run_done, s.mode, s.model, s.max_tokens = True, MODE_DEMO, args.model, 96
+    app.apply_settings(s)
+    w.resize(1280, 800)
+    w.show()
+    app.load_config()
+    wait(lambda: w.privacy.slider.isEnabled())
+    chat = app.chat
+
+    def reply(text: str) -> None:
+        w.chat_view.composer.setPlainText(text)
+        w.chat_view.send_or_stop()
+        wait(lambda: not chat.busy)
+
+    # empty chat (welcome)
+    chat.new_conversation()
+    w.show_pane("chat")
+    save(w, out / f"chat-empty-{theme}.png")
+    # a conversation (the light run writes it; the dark run reopens it and adds one reply)
+    if theme == "light":
+        for text in CHAT:
+            reply(text)
+        first = chat.current
+    else:
+        first = app.store.conversations()[-1].id
+        chat.delete(chat.current or -1)
+        chat.open(first)
+        reply("Thank you! Make it one sentence.")
+    save(w, out / f"chat-{theme}.png")
+
+    # drafting with a finished suggestion
+    w.show_pane("drafting")
+    app.drafting.new_document(DOC_TITLE, DOC_TEXT)
+    pane = w.drafting_pane
+    start = DOC_TEXT.index(SELECT)
+    c = pane.editor.textCursor()
+    c.setPosition(start)
+    c.setPosition(start + len(SELECT), QTextCursor.MoveMode.KeepAnchor)
+    pane.editor.setTextCursor(c)
+    pane.run_action("formal")
+    wait(lambda: not app.drafting.busy)
+    save(w, out / f"drafting-{theme}.png")
+    pane.reject()
+    w.show_pane("chat")
+
+    save(w, out / f"settings-{theme}.png", SettingsDialog(app.settings, w))
+    save(w, out / f"first-run-{theme}.png", FirstRunDialog(w))
+    from app.core import audit_info
+
+    rows = audit_info.rows(app.model_name())
+    data_ = audit_info.latest(app.model_name()) or {}
+    k = app.settings.local_layers
+    dlg = AuditDialog(app.model_name(), str(data_.get("date", ""))[:10], rows, k, w)
+    save(w, out / f"audit-{theme}.png", dlg)
+
+    # the server goes away: a clear error, the text stays in the message box
+    source = app.host.source
+    if isinstance(source, DemoServerSource) and source.server is not None:
+        source.connect_opts.update(timeout_s=1.0, reconnect_s=2.0)
+        app.host.shutdown_blocking()  # reconnect with the short timeouts
+        w._reconnect.stop()
+        app.connect_now()
+        wait(lambda: app.host.state == "Connected")
+        assert app.host.source is not None
+        server = app.host.source.server  # type: ignore[attr-defined]
+        server.kill()
+        w.chat_view.composer.setPlainText("Can you summarise our leave policy in 3 bullet points?")
+        w.chat_view.send_or_stop()
+        wait(lambda: w.chat_view.error.isVisible())
+        w.gauges.refresh()
+        save(w, out / f"chat-error-{theme}.png")
+    w.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m app.screenshots")
+    p.add_argument("out", type=Path)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--audit-from", type=Path, default=None, help="a stored audit results.json")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    QApplication.instance() or QApplication(["veil"])
+    data = Path(tempfile.mkdtemp(prefix="veil-shots-"))
+    try:
+        if args.audit_from:
+            from app.core.paths import data_dir
+
+            data_dir(data)
+            import os
+
+            os.environ["VEIL_DATA_DIR"] = str(data)
+            from engine.audit.store import results_dir
+
+            dest = results_dir(args.model)
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy(args.audit_from, dest / "results.json")
+        for theme in ("light", "dark"):
+            capture(theme, data, args.out, args)
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

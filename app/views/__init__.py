@@ -1,0 +1,1 @@
+"""Qt widgets: one module per window, pane or dialog; they wrap ``app.core``."""

@@ -1,0 +1,361 @@
+"""The chat pane: title bar with the assistant style, messages, errors and the composer."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.core.chat import ChatController
+from app.core.engine_host import OFFLINE
+from app.core.settings import PRESETS
+from app.core.storage import Message
+from app.views.elided_label import ElidedLabel
+from app.views.error_banner import ErrorBanner
+from app.views.message_widget import MessageWidget
+from app.views.theme import icon
+from engine.errors import VeilError
+
+EXAMPLES = (
+    "Write a polite reminder about Friday's team meeting",
+    "Explain what an invoice number is for",
+    "Suggest three subject lines for a newsletter",
+)
+
+
+class Composer(QPlainTextEdit):
+    """Message box: Ctrl+Enter sends (Enter alone makes a new line)."""
+
+    submit = Signal()
+
+    def keyPressEvent(self, e: QKeyEvent) -> None:
+        enter = e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+        if enter and e.modifiers() & Qt.KeyboardModifier.ControlModifier:
+            self.submit.emit()
+            return
+        super().keyPressEvent(e)
+
+
+class ChatView(QWidget):
+    def __init__(self, chat: ChatController, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.chat = chat
+        self.widgets: dict[int, MessageWidget] = {}
+        self.rows: dict[int, QWidget] = {}
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.setSpacing(0)
+
+        # title bar
+        bar = QHBoxLayout()
+        bar.setContentsMargins(24, 14, 24, 10)
+        self.title = ElidedLabel("New chat")
+        self.title.setObjectName("PaneTitle")
+        bar.addWidget(self.title, 1)
+        style_label = QLabel("Assistant style:")
+        style_label.setObjectName("Muted")
+        bar.addWidget(style_label)
+        self.preset = QComboBox()
+        self.preset.setAccessibleName("Assistant style (system prompt)")
+        for name, prompt in PRESETS.items():
+            self.preset.addItem(name, prompt)
+        self.preset.addItem("Custom", None)
+        style_label.setBuddy(self.preset)
+        self.preset.currentIndexChanged.connect(self._preset_changed)
+        bar.addWidget(self.preset)
+        self.export_button = QPushButton(icon("export"), "Export")
+        self.export_button.setAccessibleName("Export this chat")
+        self.export_button.setToolTip("Save this chat as Markdown or JSON")
+        self.export_button.clicked.connect(self.export)
+        bar.addWidget(self.export_button)
+        outer.addLayout(bar)
+        self.system_edit = QPlainTextEdit()
+        self.system_edit.setAccessibleName("Custom system prompt")
+        self.system_edit.setPlaceholderText("Describe how the assistant should answer…")
+        self.system_edit.setMaximumHeight(70)
+        self.system_edit.hide()
+        self.system_edit.textChanged.connect(
+            lambda: self.chat.set_system_prompt(self.system_edit.toPlainText())
+        )
+        sys_row = QHBoxLayout()
+        sys_row.setContentsMargins(24, 0, 24, 8)
+        sys_row.addWidget(self.system_edit)
+        outer.addLayout(sys_row)
+
+        # messages
+        self.scroll_area = QScrollArea()
+        self.scroll_area.setObjectName("MessageArea")
+        self.scroll_area.setWidgetResizable(True)
+        self.scroll_area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.inner = QWidget()
+        self.inner.setObjectName("MessageArea")
+        self.list = QVBoxLayout(self.inner)
+        self.list.setContentsMargins(24, 8, 24, 16)
+        self.list.setSpacing(12)
+        self.empty = self._empty_state()
+        self.list.addWidget(self.empty)
+        self.list.addStretch(1)
+        self.scroll_area.setWidget(self.inner)
+        outer.addWidget(self.scroll_area, 1)
+        self.scroll_area.verticalScrollBar().rangeChanged.connect(self._autoscroll)
+
+        # errors + composer
+        bottom = QVBoxLayout()
+        bottom.setContentsMargins(24, 8, 24, 16)
+        bottom.setSpacing(8)
+        self.error = ErrorBanner()
+        bottom.addWidget(self.error)
+        row = QHBoxLayout()
+        row.setSpacing(8)
+        self.composer = Composer()
+        self.composer.setObjectName("Composer")
+        self.composer.setAccessibleName("Message")
+        self.composer.setPlaceholderText("Write a message…   (Ctrl+Enter to send)")
+        self.composer.setFixedHeight(84)
+        self.composer.submit.connect(self.send_or_stop)
+        self.composer.textChanged.connect(self._draft_changed)
+        row.addWidget(self.composer, 1)
+        buttons = QVBoxLayout()
+        buttons.setSpacing(6)
+        self.send_button = QPushButton(icon("send", "accent_text"), "Send")
+        self.send_button.setObjectName("PrimaryButton")
+        self.send_button.setAccessibleName("Send message")
+        self.send_button.setToolTip("Send (Ctrl+Enter). While a reply is written: Stop (Esc)")
+        self.send_button.clicked.connect(self.send_or_stop)
+        self.send_button.setMinimumWidth(120)
+        buttons.addWidget(self.send_button)
+        small = QHBoxLayout()
+        small.setSpacing(6)
+        self.regen_button = QPushButton(icon("regenerate"), "")
+        self.regen_button.setAccessibleName("Regenerate the last reply")
+        self.regen_button.setToolTip("Write the last reply again")
+        self.regen_button.clicked.connect(self.chat.regenerate)
+        self.edit_button = QPushButton(icon("edit"), "")
+        self.edit_button.setAccessibleName("Edit the last message")
+        self.edit_button.setToolTip("Edit your last message and send it again")
+        self.edit_button.clicked.connect(self.edit_last)
+        small.addWidget(self.regen_button)
+        small.addWidget(self.edit_button)
+        buttons.addLayout(small)
+        row.addLayout(buttons)
+        bottom.addLayout(row)
+        self.editing = False
+        outer.addLayout(bottom)
+
+        self._draft_timer = QTimer(self, singleShot=True, interval=400)
+        self._draft_timer.timeout.connect(self.save_draft_now)
+
+        chat.conversation_opened.connect(self.load)
+        chat.message_added.connect(self.add_message)
+        chat.message_updated.connect(self.update_message)
+        chat.message_removed.connect(self.remove_message)
+        chat.busy_changed.connect(self.set_busy)
+        chat.failed.connect(self.show_failure)
+        chat.conversations_changed.connect(self._refresh_title)
+        self.set_busy(False)
+
+    # --- building ---------------------------------------------------------------------------
+
+    def _empty_state(self) -> QWidget:
+        w = QWidget()
+        lay = QVBoxLayout(w)
+        lay.setContentsMargins(0, 60, 0, 0)
+        lay.setSpacing(10)
+        head = QLabel("What can I help you with?")
+        head.setObjectName("AppTitle")
+        head.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        sub = QLabel(
+            "Your words are turned into numbers on this computer before anything is sent.\n"
+            "Use the slider on the right to choose how much of the model runs here."
+        )
+        sub.setObjectName("Muted")
+        sub.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        lay.addWidget(head)
+        lay.addWidget(sub)
+        sub.setWordWrap(True)
+        lay.addSpacing(8)
+        for text in EXAMPLES:
+            b = QPushButton(text)
+            b.setObjectName("ChipButton")
+            b.setAccessibleName(f"Example: {text}")
+            b.clicked.connect(lambda _=False, t=text: self.composer.setPlainText(t))
+            lay.addWidget(b, 0, Qt.AlignmentFlag.AlignHCenter)
+        return w
+
+    def load(self, conv_id: int | None) -> None:
+        for row in self.rows.values():
+            self.list.removeWidget(row)
+            row.deleteLater()
+        self.widgets.clear()
+        self.rows.clear()
+        self.error.hide()
+        for m in self.chat.messages():
+            self.add_message(m)
+        self._refresh_title()
+        self.composer.blockSignals(True)
+        self.composer.setPlainText(self.chat.draft())
+        self.composer.blockSignals(False)
+        self._sync_preset()
+        self._update_empty()
+
+    def _refresh_title(self) -> None:
+        conv = self.chat.store.conversation(self.chat.current) if self.chat.current else None
+        self.title.setText(conv.title if conv else "New chat")
+        self.export_button.setEnabled(conv is not None)
+
+    def _sync_preset(self) -> None:
+        prompt = self.chat.system_prompt()
+        idx = self.preset.findData(prompt)
+        self.preset.blockSignals(True)
+        self.preset.setCurrentIndex(idx if idx >= 0 else self.preset.count() - 1)
+        self.preset.blockSignals(False)
+        self.system_edit.blockSignals(True)
+        self.system_edit.setPlainText(prompt)
+        self.system_edit.blockSignals(False)
+        self.system_edit.setVisible(idx < 0)
+
+    def _preset_changed(self, idx: int) -> None:
+        prompt = self.preset.itemData(idx)
+        custom = prompt is None
+        self.system_edit.setVisible(custom)
+        if custom:
+            self.system_edit.setFocus()
+        else:
+            self.chat.set_system_prompt(str(prompt))
+            self.system_edit.blockSignals(True)
+            self.system_edit.setPlainText(str(prompt))
+            self.system_edit.blockSignals(False)
+
+    def _update_empty(self) -> None:
+        self.empty.setVisible(not self.widgets)
+
+    # --- messages ----------------------------------------------------------------------------
+
+    def add_message(self, msg: Message) -> None:
+        if msg.conversation_id != self.chat.current or msg.id in self.widgets:
+            return
+        w = MessageWidget(msg)
+        row = QWidget()
+        rl = QHBoxLayout(row)
+        rl.setContentsMargins(0, 0, 0, 0)
+        if msg.role == "user":
+            rl.addStretch(1)
+            w.setMaximumWidth(640)
+            rl.addWidget(w, 0)
+        else:
+            w.setMaximumWidth(900)
+            rl.addWidget(w, 1)
+        self.list.insertWidget(self.list.count() - 1, row)
+        self.rows[msg.id] = row
+        self.widgets[msg.id] = w
+        if msg.role == "assistant" and not msg.content:
+            w.set_message(msg, streaming=True)
+        self._update_empty()
+
+    def update_message(self, msg: Message) -> None:
+        w = self.widgets.get(msg.id)
+        if w is not None:
+            w.set_message(msg, streaming=self.chat.busy)
+
+    def remove_message(self, msg_id: int) -> None:
+        self.widgets.pop(msg_id, None)
+        row = self.rows.pop(msg_id, None)
+        if row is not None:
+            self.list.removeWidget(row)
+            row.deleteLater()
+        self._update_empty()
+
+    def _autoscroll(self, _lo: int, hi: int) -> None:
+        self.scroll_area.verticalScrollBar().setValue(hi)
+
+    # --- actions -----------------------------------------------------------------------------
+
+    def send_or_stop(self) -> None:
+        if self.chat.busy:
+            self.chat.stop()
+            return
+        text = self.composer.toPlainText()
+        if not text.strip():
+            self.composer.setFocus()
+            return
+        self.error.hide()
+        if self.editing:
+            self.editing = False
+            ok = self.chat.edit_last(text)
+        else:
+            ok = self.chat.send(text)
+        if ok:
+            self.composer.clear()
+
+    def edit_last(self) -> None:
+        text = self.chat.last_user_text()
+        if not text or self.chat.busy:
+            return
+        self.editing = True
+        self.composer.setPlainText(text)
+        self.composer.setFocus()
+        self.send_button.setText("Resend")
+
+    def set_busy(self, busy: bool) -> None:
+        if busy:
+            self.send_button.setText("Stop")
+            self.send_button.setIcon(icon("stop", "accent_text"))
+            self.send_button.setAccessibleName("Stop writing the reply")
+        else:
+            self.send_button.setText("Resend" if self.editing else "Send")
+            self.send_button.setIcon(icon("send", "accent_text"))
+            self.send_button.setAccessibleName("Send message")
+            for w in self.widgets.values():  # drop the streaming placeholder
+                if w.plain_text() == "…":
+                    w.set_text("")
+        has = bool(self.widgets)
+        self.regen_button.setEnabled(not busy and has)
+        self.edit_button.setEnabled(not busy and has)
+
+    def show_failure(self, err: VeilError, put_back: str) -> None:
+        if put_back and not self.composer.toPlainText().strip():
+            self.composer.setPlainText(put_back)
+        if self.chat.host.state == OFFLINE:
+            base = err.hint or ""
+            sep = " " if base.endswith((".", "?", "!")) else (". " if base else "")
+            err = VeilError(err.message, base + sep + "Veil reconnects by itself when it is back.")
+        self.error.show_error(err, "Try again", self.send_or_stop)
+
+    def save_draft_now(self) -> None:
+        self._draft_timer.stop()
+        self.chat.save_draft(self.composer.toPlainText())
+
+    def _draft_changed(self) -> None:
+        self._draft_timer.start()
+
+    def export(self) -> None:
+        conv_id = self.chat.current
+        if conv_id is None:
+            return
+        conv = self.chat.store.conversation(conv_id)
+        name = (conv.title if conv else "chat").replace("/", "-")
+        path, flt = QFileDialog.getSaveFileName(
+            self, "Export chat", f"{name}.md", "Markdown (*.md);;JSON (*.json)"
+        )
+        if not path:
+            return
+        try:
+            body = (
+                self.chat.export_json(conv_id)
+                if path.lower().endswith(".json") or "JSON" in flt
+                else self.chat.export_markdown(conv_id)
+            )
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(body)
+        except OSError as exc:
+            self.error.show_error(VeilError(f"cannot save {path}: {exc.strerror}"))

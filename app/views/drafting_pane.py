@@ -1,0 +1,330 @@
+"""The document-drafting pane: an editor, writing actions, and a suggestion to accept or reject.
+
+The editor is read-only while a suggestion is pending, so the span it replaces cannot move.
+Accepting is one undoable edit (Ctrl+Z brings the old text back).
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QTextCursor
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QFrame,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.core.drafting import ACTIONS, DraftingController, Suggestion, suggestion_insert_text
+from app.core.storage import Document
+from app.views.error_banner import ErrorBanner
+from app.views.theme import icon
+from engine.errors import VeilError
+
+BUTTONS = ("outline", "formal", "grammar", "summarize", "continue")
+
+
+def utf16_len(s: str) -> int:
+    return len(s.encode("utf-16-le")) // 2
+
+
+def py_index(text: str, qpos: int) -> int:
+    """Qt cursor position (UTF-16 units) -> Python string index."""
+    units = 0
+    for i, ch in enumerate(text):
+        if units >= qpos:
+            return i
+        units += 2 if ord(ch) > 0xFFFF else 1
+    return len(text)
+
+
+def q_pos(text: str, index: int) -> int:
+    """Python string index -> Qt cursor position."""
+    return utf16_len(text[:index])
+
+
+class DraftingPane(QWidget):
+    def __init__(self, drafting: DraftingController, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.d = drafting
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(24, 14, 24, 16)
+        outer.setSpacing(10)
+
+        bar = QHBoxLayout()
+        self.title = QLineEdit()
+        self.title.setObjectName("PaneTitle")
+        self.title.setAccessibleName("Document name")
+        self.title.setPlaceholderText("Document name")
+        self.title.editingFinished.connect(self._rename)
+        bar.addWidget(self.title, 1)
+        self.export_button = QPushButton(icon("export"), "Export")
+        self.export_button.setAccessibleName("Export this document")
+        self.export_button.setToolTip("Save as Markdown (.md) or plain text (.txt)")
+        self.export_button.clicked.connect(self.export)
+        bar.addWidget(self.export_button)
+        outer.addLayout(bar)
+
+        actions = QGridLayout()
+        actions.setHorizontalSpacing(8)
+        actions.setVerticalSpacing(8)
+        self.action_buttons: dict[str, QPushButton] = {}
+        rows = (QHBoxLayout(), QHBoxLayout())
+        for i, key in enumerate(BUTTONS):
+            a = ACTIONS[key]
+            b = QPushButton(icon("sparkle", "accent"), a.short or a.label)
+            b.setAccessibleName(a.label)
+            b.setToolTip(f"{a.label}: {a.instruction}")
+            b.clicked.connect(lambda _=False, k=key: self.run_action(k))
+            rows[0 if i < 3 else 1].addWidget(b)
+            self.action_buttons[key] = b
+        for r, row in enumerate(rows):
+            row.setSpacing(8)
+            row.addStretch(1)
+            actions.addLayout(row, r, 0, 1, 2)
+        self.instruction = QLineEdit()
+        self.instruction.setAccessibleName("Your own instruction")
+        self.instruction.setPlaceholderText(
+            "Or type your own instruction, e.g. “make this shorter and friendlier”"
+        )
+        self.instruction.returnPressed.connect(lambda: self.run_action("custom"))
+        actions.addWidget(self.instruction, 2, 0)
+        self.apply_button = QPushButton(icon("sparkle", "accent_text"), "Apply")
+        self.apply_button.setObjectName("PrimaryButton")
+        self.apply_button.setAccessibleName("Apply my instruction")
+        self.apply_button.clicked.connect(lambda: self.run_action("custom"))
+        actions.addWidget(self.apply_button, 2, 1)
+        outer.addLayout(actions)
+        hint = QLabel(
+            "Select part of the text first, or nothing to use the whole document. "
+            "Nothing changes until you accept the suggestion."
+        )
+        hint.setObjectName("Small")
+        hint.setWordWrap(True)
+        outer.addWidget(hint)
+
+        self.error = ErrorBanner()
+        outer.addWidget(self.error)
+
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.setChildrenCollapsible(False)
+        split.setHandleWidth(10)
+        self.editor = QPlainTextEdit()
+        self.editor.setObjectName("DocEditor")
+        self.editor.setAccessibleName("Document text")
+        self.editor.setPlaceholderText(
+            "Write or paste your text here.\n\nTip: write a short outline, then choose "
+            "“Draft from this outline”."
+        )
+        self.editor.textChanged.connect(self._changed)
+        split.addWidget(self.editor)
+
+        self.panel = QFrame()
+        self.panel.setObjectName("Suggestion")
+        pl = QVBoxLayout(self.panel)
+        pl.setContentsMargins(14, 12, 14, 12)
+        pl.setSpacing(8)
+        self.s_title = QLabel("Suggestion")
+        self.s_title.setObjectName("CardTitle")
+        pl.addWidget(self.s_title)
+        self.s_text = QPlainTextEdit()
+        self.s_text.setReadOnly(True)
+        self.s_text.setAccessibleName("Suggested text")
+        self.s_text.setPlaceholderText(
+            "Choose an action above. The suggestion appears here, word by word."
+        )
+        pl.addWidget(self.s_text, 1)
+        row = QHBoxLayout()
+        self.accept_button = QPushButton(icon("check", "accent_text"), "Accept")
+        self.accept_button.setObjectName("PrimaryButton")
+        self.accept_button.setAccessibleName("Accept the suggestion")
+        self.accept_button.clicked.connect(self.accept)
+        self.reject_button = QPushButton(icon("close"), "Reject")
+        self.reject_button.setAccessibleName("Reject the suggestion")
+        self.reject_button.clicked.connect(self.reject)
+        self.stop_button = QPushButton(icon("stop"), "Stop")
+        self.stop_button.setAccessibleName("Stop writing the suggestion")
+        self.stop_button.clicked.connect(self.d.stop)
+        row.addWidget(self.accept_button)
+        row.addWidget(self.reject_button)
+        row.addStretch(1)
+        row.addWidget(self.stop_button)
+        pl.addLayout(row)
+        split.addWidget(self.panel)
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 2)
+        outer.addWidget(split, 1)
+
+        self._save_timer = QTimer(self, singleShot=True, interval=600)
+        self._save_timer.timeout.connect(self.save_now)
+        self._loading = False
+        drafting.document_opened.connect(self.load)
+        drafting.suggestion_started.connect(self._started)
+        drafting.suggestion_updated.connect(self._updated)
+        drafting.suggestion_finished.connect(self._finished)
+        drafting.suggestion_cleared.connect(self._cleared)
+        drafting.failed.connect(lambda e: self.error.show_error(e))
+        drafting.busy_changed.connect(self._sync_buttons)
+        self.load(None)
+
+    # --- documents ---------------------------------------------------------------------------
+
+    def load(self, doc: Document | None) -> None:
+        self._loading = True
+        has = doc is not None
+        self.title.setText(doc.title if doc else "")
+        self.editor.setPlainText(doc.body if doc else "")
+        self.editor.document().clearUndoRedoStacks()
+        self.title.setEnabled(has)
+        self.editor.setEnabled(True)
+        self.export_button.setEnabled(has)
+        self._loading = False
+        self.error.hide()
+        self._sync_buttons()
+
+    def _ensure_document(self) -> None:
+        """Typing into the empty pane creates a document (keeping the text and the cursor)."""
+        if self.d.current is None:
+            body = self.editor.toPlainText()
+            pos = self.editor.textCursor().position()
+            self.d.new_document(body=body)  # load() shows the same text
+            c = self.editor.textCursor()
+            c.setPosition(min(pos, len(self.editor.toPlainText())))
+            self.editor.setTextCursor(c)
+
+    def _changed(self) -> None:
+        if self._loading:
+            return
+        if self.d.current is None and self.editor.toPlainText().strip():
+            self._ensure_document()
+        self._save_timer.start()
+
+    def save_now(self) -> None:
+        self._save_timer.stop()
+        if self.d.current is not None:
+            self.d.save(self.editor.toPlainText())
+
+    def _rename(self) -> None:
+        if self.d.current is not None and self.title.text().strip():
+            self.d.rename(self.d.current, self.title.text())
+
+    def export(self) -> None:
+        if self.d.current is None:
+            return
+        self.save_now()
+        name = (self.title.text() or "document").replace("/", "-")
+        path, _ = QFileDialog.getSaveFileName(
+            self, "Export document", f"{name}.md", "Markdown (*.md);;Plain text (*.txt)"
+        )
+        if path:
+            from pathlib import Path
+
+            try:
+                self.d.export(self.d.current, Path(path))
+            except VeilError as exc:
+                self.error.show_error(exc)
+
+    # --- suggestions ---------------------------------------------------------------------------
+
+    def selection(self) -> tuple[int, int, int]:
+        """(start, end, cursor) as Python indexes into the editor's text."""
+        c = self.editor.textCursor()
+        text = self.editor.toPlainText()
+        return (
+            py_index(text, c.selectionStart()),
+            py_index(text, c.selectionEnd()),
+            py_index(text, c.position()),
+        )
+
+    def run_action(self, key: str) -> None:
+        if self.d.busy:
+            return
+        self.error.hide()
+        self.save_now()
+        start, end, cursor = self.selection()
+        try:
+            s = self.d.request(
+                key, self.editor.toPlainText(), start, end, cursor, self.instruction.text()
+            )
+        except VeilError as exc:
+            self.error.show_error(exc)
+            return
+        if s is not None and key == "custom":
+            self.instruction.clear()
+
+    def _started(self, s: Suggestion) -> None:
+        self.editor.setReadOnly(True)
+        self.s_title.setText(f"Suggestion: {ACTIONS[s.action].label}")
+        self.s_text.setPlainText("")
+        self._highlight(s)
+        self._sync_buttons()
+
+    def _updated(self, s: Suggestion) -> None:
+        self.s_text.setPlainText(s.text)
+        self.s_text.moveCursor(QTextCursor.MoveOperation.End)
+
+    def _finished(self, s: Suggestion) -> None:
+        self.s_text.setPlainText(s.text)
+        if s.error:
+            self.s_title.setText("Suggestion (failed)")
+        elif s.finish_reason == "cancelled":
+            self.s_title.setText(self.s_title.text() + " (stopped)")
+        self._sync_buttons()
+
+    def _cleared(self) -> None:
+        self.editor.setReadOnly(False)
+        self.s_title.setText("Suggestion")
+        self.s_text.setPlainText("")
+        self._sync_buttons()
+
+    def _highlight(self, s: Suggestion) -> None:
+        text = self.editor.toPlainText()
+        c = self.editor.textCursor()
+        c.setPosition(q_pos(text, s.start))
+        c.setPosition(q_pos(text, s.end), QTextCursor.MoveMode.KeepAnchor)
+        self.editor.setTextCursor(c)
+
+    def accept(self) -> None:
+        s = self.d.suggestion
+        if s is None:
+            return
+        text = self.editor.toPlainText()
+        try:
+            expected = self.d.accept(text)  # validates, and what the editor must now hold
+        except VeilError as exc:
+            self.error.show_error(exc)
+            return
+        insert = suggestion_insert_text(s, text)
+        c = QTextCursor(self.editor.document())
+        c.beginEditBlock()
+        c.setPosition(q_pos(text, s.start))
+        c.setPosition(q_pos(text, s.end), QTextCursor.MoveMode.KeepAnchor)
+        c.insertText(insert)
+        c.endEditBlock()
+        self.editor.setTextCursor(c)
+        assert self.editor.toPlainText() == expected
+        self.save_now()
+
+    def reject(self) -> None:
+        self.d.reject()
+
+    def _sync_buttons(self, *_: object) -> None:
+        s = self.d.suggestion
+        busy = self.d.busy
+        for b in self.action_buttons.values():
+            b.setEnabled(not busy and s is None)
+        self.apply_button.setEnabled(not busy and s is None)
+        self.instruction.setEnabled(not busy and s is None)
+        ready = s is not None and s.done and not s.error and bool(s.text.strip())
+        self.accept_button.setEnabled(ready and not busy)
+        self.reject_button.setEnabled(s is not None)
+        self.stop_button.setVisible(busy)
+        if s is None:
+            self.editor.setReadOnly(False)

@@ -1,0 +1,125 @@
+"""First run: try Veil on this computer, or connect to the organization's server."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QDialog,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.views.theme import app_icon, icon
+
+DEMO = "demo"
+SERVER = "server"
+
+
+class FirstRunDialog(QDialog):
+    """``choice`` is DEMO or SERVER after exec() returns Accepted; ``invite`` holds the code."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Welcome to Veil")
+        self.setModal(True)
+        self.choice = ""
+        self.invite = ""
+        self.resize(760, 460)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(32, 28, 32, 24)
+        lay.setSpacing(14)
+        head = QHBoxLayout()
+        logo = QLabel()
+        logo.setPixmap(app_icon().pixmap(48, 48))
+        head.addWidget(logo)
+        title = QLabel("Welcome to Veil")
+        title.setObjectName("AppTitle")
+        head.addWidget(title, 1)
+        lay.addLayout(head)
+        intro = QLabel(
+            "Veil is an AI writing assistant that keeps the beginning and the end of the model on "
+            "this computer. Your text is turned into numbers here; only those numbers travel to "
+            "the server, never your words. How would you like to start?"
+        )
+        intro.setWordWrap(True)
+        intro.setObjectName("Muted")
+        lay.addWidget(intro)
+
+        cards = QHBoxLayout()
+        cards.setSpacing(16)
+        demo, demo_lay = self._card(
+            "computer",
+            "Try it on this computer",
+            "Runs a small demo server on this computer. Nothing leaves it and no account "
+            "is needed. Good for trying Veil out.",
+        )
+        self.demo_button = QPushButton(icon("computer", "accent_text"), "Try it on this computer")
+        self.demo_button.setObjectName("PrimaryButton")
+        self.demo_button.setAccessibleName("Try it on this computer")
+        self.demo_button.clicked.connect(self._demo)
+        demo_lay.addStretch(1)
+        demo_lay.addWidget(self.demo_button)
+        cards.addWidget(demo, 1)
+
+        server, server_lay = self._card(
+            "server",
+            "Connect to my organization's server",
+            "Paste the invite code your IT department gave you. Faster, and the server's "
+            "part of the model runs on your organization's hardware.",
+        )
+        self.invite_edit = QLineEdit()
+        self.invite_edit.setPlaceholderText("Invite code (starts with veil1:)")
+        self.invite_edit.setAccessibleName("Invite code")
+        self.server_button = QPushButton(icon("server"), "Connect")
+        self.invite_edit.textChanged.connect(
+            lambda t: self.server_button.setEnabled(bool(t.strip()))
+        )
+        self.invite_edit.returnPressed.connect(self._server)
+        server_lay.addStretch(1)
+        server_lay.addWidget(self.invite_edit)
+        self.server_button.setAccessibleName("Connect to my organization's server")
+        self.server_button.setEnabled(False)
+        self.server_button.clicked.connect(self._server)
+        server_lay.addWidget(self.server_button)
+        cards.addWidget(server, 1)
+        lay.addLayout(cards, 1)
+        foot = QLabel("You can change this later in Settings.")
+        foot.setObjectName("Small")
+        foot.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        lay.addWidget(foot)
+        self.demo_button.setFocus()
+
+    def _card(self, icon_name: str, title: str, text: str) -> tuple[QFrame, QVBoxLayout]:
+        card = QFrame()
+        card.setObjectName("Card")
+        lay = QVBoxLayout(card)
+        lay.setContentsMargins(18, 18, 18, 18)
+        lay.setSpacing(10)
+        ic = QLabel()
+        ic.setPixmap(icon(icon_name, "accent", 32).pixmap(32, 32))
+        lay.addWidget(ic)
+        t = QLabel(title)
+        t.setObjectName("CardTitle")
+        t.setWordWrap(True)
+        lay.addWidget(t)
+        body = QLabel(text)
+        body.setWordWrap(True)
+        body.setObjectName("Muted")
+        lay.addWidget(body)
+        return card, lay
+
+    def _demo(self) -> None:
+        self.choice = DEMO
+        self.accept()
+
+    def _server(self) -> None:
+        code = self.invite_edit.text().strip()
+        if not code:
+            return
+        self.choice, self.invite = SERVER, code
+        self.accept()

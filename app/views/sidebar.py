@@ -1,0 +1,224 @@
+"""The left sidebar: Chat/Documents switch, new, search, the list (rename, export, delete),
+and Settings."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QPoint, Qt, Signal
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMenu,
+    QMessageBox,
+    QPushButton,
+    QStackedWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.core.chat import ChatController
+from app.core.drafting import DraftingController
+from app.views.theme import app_icon, icon
+from engine.errors import VeilError
+
+
+class Sidebar(QWidget):
+    pane_changed = Signal(str)  # "chat" | "drafting"
+    settings_requested = Signal()
+    export_chat = Signal(int)
+    export_document = Signal(int)
+
+    def __init__(
+        self, chat: ChatController, drafting: DraftingController, parent: QWidget | None = None
+    ) -> None:
+        super().__init__(parent)
+        self.chat, self.drafting = chat, drafting
+        self.setObjectName("Sidebar")
+        self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
+        self.setFixedWidth(270)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(14, 16, 14, 12)
+        lay.setSpacing(8)
+
+        head = QHBoxLayout()
+        logo = QLabel()
+        logo.setPixmap(app_icon().pixmap(28, 28))
+        head.addWidget(logo)
+        title = QLabel("Veil")
+        title.setObjectName("AppTitle")
+        head.addWidget(title)
+        head.addStretch(1)
+        lay.addLayout(head)
+        lay.addSpacing(6)
+
+        self.nav_chat = QPushButton(icon("chat"), "  Chat")
+        self.nav_docs = QPushButton(icon("document"), "  Documents")
+        self.nav_group = QButtonGroup(self)
+        for b, key in ((self.nav_chat, "chat"), (self.nav_docs, "drafting")):
+            b.setObjectName("NavButton")
+            b.setCheckable(True)
+            b.setAccessibleName(f"Show {b.text().strip()}")
+            b.clicked.connect(lambda _=False, k=key: self.set_pane(k))
+            self.nav_group.addButton(b)
+            lay.addWidget(b)
+        lay.addSpacing(8)
+
+        self.new_button = QPushButton(icon("plus", "accent_text"), "New chat")
+        self.new_button.setObjectName("PrimaryButton")
+        self.new_button.clicked.connect(self.new_item)
+        lay.addWidget(self.new_button)
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search chats (Ctrl+F)")
+        self.search.setAccessibleName("Search chats")
+        self.search.setClearButtonEnabled(True)
+        self.search.addAction(icon("search", "muted"), QLineEdit.ActionPosition.LeadingPosition)
+        self.search.textChanged.connect(self.refresh_chats)
+        lay.addWidget(self.search)
+
+        self.stack = QStackedWidget()
+        self.chat_list = QListWidget()
+        self.chat_list.setAccessibleName("Chats")
+        self.doc_list = QListWidget()
+        self.doc_list.setAccessibleName("Documents")
+        for lst in (self.chat_list, self.doc_list):
+            lst.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+            lst.setTextElideMode(Qt.TextElideMode.ElideRight)
+            lst.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+            lst.customContextMenuRequested.connect(lambda p, lst=lst: self._menu(lst, p))
+            lst.itemActivated.connect(self._activated)
+            lst.itemClicked.connect(self._activated)
+            self.stack.addWidget(lst)
+        lay.addWidget(self.stack, 1)
+
+        self.empty_hint = QLabel()
+        self.empty_hint.setObjectName("Small")
+        self.empty_hint.setWordWrap(True)
+        lay.addWidget(self.empty_hint)
+
+        self.settings_button = QPushButton(icon("settings"), "  Settings")
+        self.settings_button.setObjectName("NavButton")
+        self.settings_button.setAccessibleName("Open settings")
+        self.settings_button.clicked.connect(self.settings_requested)
+        lay.addWidget(self.settings_button)
+
+        chat.conversations_changed.connect(self.refresh_chats)
+        chat.conversation_opened.connect(lambda _: self.refresh_chats())
+        drafting.documents_changed.connect(self.refresh_docs)
+        drafting.document_opened.connect(lambda _: self.refresh_docs())
+        self.pane = "chat"
+        self.nav_chat.setChecked(True)
+        self.refresh_chats()
+        self.refresh_docs()
+
+    def set_pane(self, pane: str) -> None:
+        self.pane = pane
+        is_chat = pane == "chat"
+        (self.nav_chat if is_chat else self.nav_docs).setChecked(True)
+        self.stack.setCurrentIndex(0 if is_chat else 1)
+        self.search.setVisible(is_chat)
+        self.new_button.setText("New chat" if is_chat else "New document")
+        self.new_button.setAccessibleName(self.new_button.text())
+        self._update_hint()
+        self.pane_changed.emit(pane)
+
+    def new_item(self) -> None:
+        if self.pane == "chat":
+            self.chat.new_conversation()
+        else:
+            self.drafting.new_document()
+
+    def refresh_chats(self) -> None:
+        lst = self.chat_list
+        lst.blockSignals(True)
+        lst.clear()
+        for c in self.chat.store.conversations(self.search.text()):
+            item = QListWidgetItem(c.title)
+            item.setData(Qt.ItemDataRole.UserRole, c.id)
+            item.setToolTip(c.title)
+            lst.addItem(item)
+            if c.id == self.chat.current:
+                lst.setCurrentItem(item)
+        lst.blockSignals(False)
+        self._update_hint()
+
+    def refresh_docs(self) -> None:
+        lst = self.doc_list
+        lst.blockSignals(True)
+        lst.clear()
+        for d in self.drafting.store.documents():
+            item = QListWidgetItem(d.title)
+            item.setData(Qt.ItemDataRole.UserRole, d.id)
+            lst.addItem(item)
+            if d.id == self.drafting.current:
+                lst.setCurrentItem(item)
+        lst.blockSignals(False)
+        self._update_hint()
+
+    def _update_hint(self) -> None:
+        lst = self.chat_list if self.pane == "chat" else self.doc_list
+        if lst.count():
+            self.empty_hint.hide()
+            return
+        if self.pane == "chat":
+            text = "No chats match." if self.search.text() else "Your chats will appear here."
+        else:
+            text = "Your documents will appear here."
+        self.empty_hint.setText(text)
+        self.empty_hint.show()
+
+    def _activated(self, item: QListWidgetItem) -> None:
+        item_id = int(item.data(Qt.ItemDataRole.UserRole))
+        if self.pane == "chat":
+            if item_id != self.chat.current:
+                self.chat.open(item_id)
+        elif item_id != self.drafting.current:
+            self.drafting.open(item_id)
+
+    def _menu(self, lst: QListWidget, pos: QPoint) -> None:
+        item = lst.itemAt(pos)
+        if item is None:
+            return
+        item_id = int(item.data(Qt.ItemDataRole.UserRole))
+        is_chat = lst is self.chat_list
+        menu = QMenu(self)
+        menu.addAction(icon("edit"), "Rename…", lambda: self.rename(item_id, is_chat))
+        menu.addAction(
+            icon("export"),
+            "Export…",
+            lambda: (self.export_chat if is_chat else self.export_document).emit(item_id),
+        )
+        menu.addSeparator()
+        menu.addAction(icon("trash", "bad"), "Delete…", lambda: self.delete(item_id, is_chat))
+        menu.exec(lst.mapToGlobal(pos))
+
+    def rename(self, item_id: int, is_chat: bool) -> None:
+        store = self.chat.store
+        rec = store.conversation(item_id) if is_chat else store.document(item_id)
+        if rec is None:
+            return
+        title, ok = QInputDialog.getText(self, "Rename", "New name:", text=rec.title)
+        if not ok:
+            return
+        try:
+            if is_chat:
+                self.chat.rename(item_id, title)
+            else:
+                self.drafting.rename(item_id, title)
+        except VeilError as exc:
+            QMessageBox.warning(self, "Rename", str(exc))
+
+    def delete(self, item_id: int, is_chat: bool) -> None:
+        what = "chat" if is_chat else "document"
+        answer = QMessageBox.question(
+            self, f"Delete {what}", f"Delete this {what}? This cannot be undone."
+        )
+        if answer != QMessageBox.StandardButton.Yes:
+            return
+        if is_chat:
+            self.chat.delete(item_id)
+        else:
+            self.drafting.delete(item_id)

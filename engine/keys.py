@@ -1,0 +1,169 @@
+"""CurveZMQ keys on the client: this computer's keypair and each saved server's public key,
+kept in the OS keyring (``keyring``) — never in plain files unless the user opts in.
+
+Backends, chosen by the environment variable ``VEIL_KEYRING``:
+
+* unset — the OS keyring (macOS Keychain, Windows Credential Locker, Secret Service/KWallet).
+  If the OS has none (headless Linux, CI), every call raises :class:`KeyStoreError` with one
+  line that names the opt-in fallbacks below. File backends that ``keyring`` would pick on its
+  own (keyrings.alt) are *not* used silently.
+* ``VEIL_KEYRING=file`` — keyrings.alt's plaintext file (``keyring_pass.cfg`` in the user data
+  dir, mode 0600). Not encrypted: only for machines where the disk itself is protected.
+* ``VEIL_KEYRING=encrypted`` — keyrings.alt's encrypted file; asks for a password on the
+  terminal (needs ``pycryptodome``).
+* ``VEIL_KEYRING=memory`` — an in-process store that forgets everything at exit (tests, demos).
+
+Command line: ``python -m engine.keys show`` prints this computer's public key (creating the
+keypair on first use) — the line a server admin passes to ``veil-trunk allow``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from engine.errors import KeyStoreError
+
+SERVICE = "veil"
+CLIENT_PUBLIC = "client-public-key"
+CLIENT_SECRET = "client-secret-key"
+SERVER_PREFIX = "server-key:"
+
+FALLBACK_HINT = (
+    "no OS keyring is available on this computer; set VEIL_KEYRING=file to keep keys in a "
+    "private file (not encrypted), VEIL_KEYRING=encrypted for a password-protected file, or "
+    "VEIL_KEYRING=memory to forget them at exit"
+)
+
+
+def _memory_backend() -> Any:
+    import keyring.backend
+
+    class MemoryKeyring(keyring.backend.KeyringBackend):
+        """Keys held in this process only."""
+
+        priority = 1  # type: ignore[assignment]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.store: dict[tuple[str, str], str] = {}
+
+        def get_password(self, service: str, username: str) -> str | None:
+            return self.store.get((service, username))
+
+        def set_password(self, service: str, username: str, password: str) -> None:
+            self.store[(service, username)] = password
+
+        def delete_password(self, service: str, username: str) -> None:
+            self.store.pop((service, username), None)
+
+    return MemoryKeyring()
+
+
+_backend: Any = None
+_backend_kind: str | None = None
+
+
+def backend() -> Any:
+    """The keyring backend Veil uses (see the module docstring)."""
+    global _backend, _backend_kind
+    kind = os.environ.get("VEIL_KEYRING", "").strip().lower() or "os"
+    if _backend is not None and _backend_kind == kind:
+        return _backend
+    if kind == "memory":
+        be = _memory_backend()
+    elif kind == "file":
+        from keyrings.alt.file import PlaintextKeyring
+
+        be = PlaintextKeyring()
+    elif kind == "encrypted":
+        from keyrings.alt.file import EncryptedKeyring
+
+        be = EncryptedKeyring()
+    elif kind == "os":
+        import keyring
+        from keyring.backends import fail
+
+        try:
+            be = keyring.get_keyring()
+        except Exception as exc:
+            raise KeyStoreError(f"cannot open the OS keyring: {exc}", hint=FALLBACK_HINT) from None
+        mod = type(be).__module__
+        chained = getattr(be, "backends", None)
+        if chained is not None:
+            real = [b for b in chained if not type(b).__module__.startswith("keyrings.alt")]
+            if not real:
+                raise KeyStoreError("no OS keyring", hint=FALLBACK_HINT)
+        if isinstance(be, fail.Keyring) or mod.startswith("keyrings.alt") or "null" in mod:
+            raise KeyStoreError("no OS keyring", hint=FALLBACK_HINT)
+    else:
+        raise KeyStoreError(
+            f"VEIL_KEYRING={kind} is not a known key store",
+            hint="use file, encrypted or memory, or unset it for the OS keyring",
+        )
+    _backend, _backend_kind = be, kind
+    return be
+
+
+def _get(name: str) -> str | None:
+    try:
+        v = backend().get_password(SERVICE, name)
+    except KeyStoreError:
+        raise
+    except Exception as exc:
+        raise KeyStoreError(f"cannot read from the keyring: {exc}", hint=FALLBACK_HINT) from None
+    return v if isinstance(v, str) else None
+
+
+def _set(name: str, value: str) -> None:
+    try:
+        backend().set_password(SERVICE, name, value)
+    except KeyStoreError:
+        raise
+    except Exception as exc:
+        raise KeyStoreError(f"cannot write to the keyring: {exc}", hint=FALLBACK_HINT) from None
+
+
+def client_keypair(create: bool = True) -> tuple[str, str]:
+    """This computer's CURVE keypair (public, secret) as z85 strings; made on first use."""
+    pub, sec = _get(CLIENT_PUBLIC), _get(CLIENT_SECRET)
+    if pub and sec and len(pub) == 40 and len(sec) == 40:
+        return pub, sec
+    if not create:
+        raise KeyStoreError("this computer has no Veil keypair yet")
+    import zmq
+
+    p, s = zmq.curve_keypair()
+    _set(CLIENT_SECRET, s.decode())
+    _set(CLIENT_PUBLIC, p.decode())
+    return p.decode(), s.decode()
+
+
+def save_server_key(address: str, public_key: str) -> None:
+    if len(public_key) != 40:
+        raise KeyStoreError("a server public key is 40 characters (z85)")
+    _set(SERVER_PREFIX + address, public_key)
+
+
+def server_key(address: str) -> str | None:
+    """The saved public key of the server at ``address`` (None when unknown)."""
+    return _get(SERVER_PREFIX + address)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args not in (["show"], []):
+        print("usage: python -m engine.keys [show]", file=sys.stderr)
+        return 2
+    try:
+        pub, _ = client_keypair()
+    except KeyStoreError as exc:
+        print(f"veil: error: {exc}", file=sys.stderr)
+        return 2
+    print(pub)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""Draft sources: suffix index, token recycling, the merger and its calibration."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.drafts import (
+    DraftSource,
+    DraftTree,
+    RecyclingDraft,
+    SuffixDraft,
+    TreeDrafter,
+    Verified,
+    default_drafter,
+)
+
+
+def _paths(tree: DraftTree) -> list[list[int]]:
+    out: list[list[int]] = []
+    for t, p in zip(tree.tokens, tree.parents, strict=True):
+        out.append([*(out[p] if p >= 0 else []), t])
+    return out
+
+
+def _valid(tree: DraftTree, budget: int) -> None:
+    assert len(tree) <= budget
+    assert all(-1 <= p < i for i, p in enumerate(tree.parents))
+    paths = _paths(tree)
+    assert len({tuple(p) for p in paths}) == len(paths)  # no duplicate sibling tokens
+    pp = tree.path_probs()
+    assert all(0.0 <= p <= 1.0 for p in pp)
+
+
+def test_sources_implement_the_protocol() -> None:
+    for s in (SuffixDraft(), RecyclingDraft(), default_drafter()):
+        assert isinstance(s, DraftSource)
+
+
+def test_suffix_draft_continues_the_longest_match() -> None:
+    ctx = [1, 2, 3, 4, 5, 9, 9, 7, 2, 3, 4, 6, 8, 1, 2, 3, 4]
+    tree = SuffixDraft().propose(ctx, 8)
+    _valid(tree, 8)
+    paths = _paths(tree)
+    # the longest match "1 2 3 4" was followed by 5 9 9 7: that chain comes first
+    assert paths[:4] == [[5], [5, 9], [5, 9, 9], [5, 9, 9, 7]]
+
+
+def test_suffix_draft_merges_several_continuations() -> None:
+    ctx = [1, 2, 3, 5, 9, 1, 2, 3, 6, 8, 1, 2, 3, 6, 4, 1, 2, 3]
+    s = SuffixDraft()
+    s.prepare(ctx)
+    kids = {t: q for t, q, _ in s.children(ctx, 1)}
+    assert set(kids) == {5, 6}
+    assert kids[6] == pytest.approx(2 * kids[5])  # two of the three occurrences continue with 6
+    paths = _paths(s.propose(ctx, 6))
+    assert [6] in paths and [5] in paths
+    assert [6, 8] in paths or [6, 4] in paths
+
+
+def test_suffix_draft_index_follows_a_growing_context() -> None:
+    s = SuffixDraft()
+    ctx = [5, 6, 7, 8, 5, 6]
+    assert _paths(s.propose(ctx, 4))[0] == [7]
+    ctx += [7, 8, 5]
+    assert [6, 7, 8] in _paths(s.propose(ctx, 8))
+    # a different conversation resets the index
+    assert len(s.propose([1, 2, 3], 4)) == 0
+
+
+def test_recycling_expands_stored_successors() -> None:
+    r = RecyclingDraft(k=2)
+    ids = torch.tensor([[11, 12], [21, 22], [31, 32]])  # [B, k]
+    probs = torch.tensor([[0.9, 0.05], [0.6, 0.3], [0.6, 0.3]])  # [B, k]
+    r.learn([10, 11, 21], ids, probs)
+    tree = r.propose([3, 10], 4)
+    _valid(tree, 4)
+    # path probabilities 0.9, 0.54, 0.324, 0.27 (then [12] at 0.05 is over budget)
+    assert _paths(tree) == [[11], [11, 21], [11, 21, 31], [11, 22]]
+    assert len(r.propose([3, 99], 4)) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ctx=st.lists(st.integers(0, 6), min_size=1, max_size=60),
+    budget=st.integers(0, 24),
+)
+def test_merged_tree_is_valid_and_best_first(ctx: list[int], budget: int) -> None:
+    d = default_drafter()
+    rec = d.sources[1]
+    assert isinstance(rec, RecyclingDraft)
+    g = torch.Generator().manual_seed(len(ctx))
+    logits = torch.randn(len(ctx), 7, generator=g)  # [L, V]
+    top = logits.softmax(-1).topk(4, dim=-1)  # [L, 4]
+    d.learn_prompt(ctx, top.indices, top.values)
+    tree = d.propose(ctx, budget)
+    _valid(tree, budget)
+    pp = tree.path_probs()
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(pp))
+    for n in range(len(tree) + 1):
+        _valid(tree.prefix(n), n)
+
+
+def test_calibration_learns_from_verification() -> None:
+    class Fixed:
+        name = "fixed"
+
+        def propose(self, context: list[int], budget: int) -> DraftTree:
+            t = DraftTree()
+            t.add(7, -1, 0.9, key="k")
+            return t
+
+        def observe(self, verified: Verified) -> None:
+            pass
+
+        def reset(self) -> None:
+            pass
+
+    d = TreeDrafter([Fixed()])
+    before = d.propose([1], 4).probs[0]
+    for _ in range(20):  # the model never picks 7
+        tree = d.propose([1], 4)
+        top = torch.zeros(2, 1)  # [B, 1]
+        d.observe(Verified([1, 5], [1, 7], [-1, 0], top.long(), top, [0], {0: 5}))
+    after = d.propose([1], 4).probs[0]
+    assert before == 0.9
+    assert after < 0.25
+    assert len(tree) == 1
