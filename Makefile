@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)  ## create .venv and install Veil with its dev tools and the default model
 
-run: install  ## open the Veil app (first run: "Try it on this computer")
-	$(BIN)/veil
+run: install  ## open the Veil app (first run: "Try it on this computer"); ARGS="..." passes flags
+	$(BIN)/veil $(ARGS)
 
 lint: install  ## ruff lint + format check, mypy on engine/ and remote/
 	$(BIN)/ruff check .
@@ -43,6 +43,9 @@ test: lint pytest  ## install, lint, type-check and run every test
 
 bench: install  ## speculative vs sequential benchmark at 80 ms emulated RTT
 	$(BIN)/veil bench --prompts ../shared/bench/prompts.jsonl --rtt-ms 80 --out bench-out
+
+installer: install  ## build the installer for this OS into dist/ (Linux: .deb, tarball, app folder)
+	$(BIN)/python installer/build.py
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

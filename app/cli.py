@@ -103,6 +103,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_gui(argv: list[str]) -> int:
+    headless = sys.platform.startswith("linux") and not (
+        os.environ.get("DISPLAY")
+        or os.environ.get("WAYLAND_DISPLAY")
+        or os.environ.get("QT_QPA_PLATFORM")
+    )
+    if headless:
+        print(
+            "veil: error: no display found (run it on a desktop session; for headless use set "
+            "QT_QPA_PLATFORM=offscreen, or use `veil generate`)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         gui = importlib.import_module("app.main_window")
     except ModuleNotFoundError as exc:

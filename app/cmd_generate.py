@@ -42,6 +42,12 @@ def add_common_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument(
+        "--private-weights",
+        default=None,
+        metavar="FILE",
+        help="organisation-private head/tail layers made by `veil privatize`",
+    )
 
 
 def add_parser(sub: Any) -> None:
@@ -94,6 +100,7 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
         server=getattr(args, "server", None),
         dtype=args.dtype,
         device=args.device,
+        private_weights=getattr(args, "private_weights", None),
     )
 
 

@@ -19,7 +19,7 @@ def add_parser(sub: Any) -> None:
         description="Fine-tune the head and tail layers (the trunk stays public and fixed) so "
         "the activations sent to the server no longer match the public weights, while the "
         "output stays close to the public model. Writes a private-weights file that the client "
-        "loads with ClientModel(private_weights=FILE), and a JSON report measuring the "
+        "loads with `veil generate --private-weights FILE`, and a JSON report measuring the "
         "known-weights attack and a learned attacker against it, and the quality cost.",
     )
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="SPEC")

@@ -38,6 +38,7 @@ class RunnerOptions:
     server: str | None = None  # None: the trunk runs in this process
     dtype: str = "float32"
     device: str = "cpu"
+    private_weights: str | None = None  # organisation-private head/tail layers (veil privatize)
 
 
 def open_trunk(client: ClientModel, opts: RunnerOptions, progress: Progress | None) -> Trunk | None:
@@ -67,5 +68,6 @@ def open_runner(opts: RunnerOptions, progress: Progress | None = None) -> SplitR
         dtype=parse_dtype(opts.dtype),
         device=opts.device,
         progress=progress,
+        private_weights=opts.private_weights,
     )
     return SplitRunner(client, open_trunk(client, opts, progress))

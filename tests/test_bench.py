@@ -14,9 +14,7 @@ from tests.tiny import make_model
 
 
 @pytest.mark.slow
-def test_bench_writes_results_and_plots(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bench_writes_results_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
     make_model(model, "llama", seed=7)
     prompts = tmp_path / "p.jsonl"

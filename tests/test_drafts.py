@@ -130,3 +130,34 @@ def test_calibration_learns_from_verification() -> None:
     assert before == 0.9
     assert after < 0.25
     assert len(tree) == 1
+
+
+def test_recycling_borrows_successors_of_a_similar_token() -> None:
+    emb = torch.eye(6)  # [V, H]
+    emb[5] = torch.tensor([0.0, 0.0, 0.95, 0.05, 0.0, 0.0])  # token 5 looks like token 2
+    r = RecyclingDraft(k=2, embeddings=emb, min_similarity=0.5)
+    r.learn([2], torch.tensor([[3, 4]]), torch.tensor([[0.8, 0.1]]))
+    kids = r.children([1, 5], 1)
+    assert [t for t, _, _ in kids] == [3, 4]
+    assert kids[0][1] == pytest.approx(0.4)  # discounted: borrowed, not observed
+    assert r.children([1, 0], 1) == []  # token 0 is like nothing seen
+
+
+def test_recycling_hint_from_the_rejected_sibling() -> None:
+    r = RecyclingDraft(k=2)
+    # block: root 10 -> 11 (accepted) -> 12 (rejected: the model chose 13 after 11)
+    v = Verified(
+        context=[1, 10, 11, 13],
+        tokens=[10, 11, 12],
+        parents=[-1, 0, 1],
+        topk_ids=torch.tensor([[11, 5], [13, 12], [40, 41]]),  # [B, k]
+        topk_probs=torch.tensor([[0.9, 0.1], [0.6, 0.3], [0.7, 0.2]]),  # [B, k]
+        path=[0, 1],
+        targets={0: 11, 1: 13},
+        root_index=1,
+    )
+    r.observe(v)
+    kids = r.children([1, 10, 11, 13], 1)  # 13 was never seen: only the hint knows
+    assert [t for t, _, _ in kids] == [40, 41]
+    assert r.children([1, 10, 11, 13, 7, 13], 2) == []  # the hint is for the next root only
+    assert r.pair_table[(11, 12)] == ([40, 41], pytest.approx([0.7, 0.2]))

@@ -175,3 +175,47 @@ def test_hf_repo_id_from_the_local_cache(
     resolved = resolve("acme/tiny-llama")
     assert resolved.folder.resolve() == snap.resolve()
     assert load_config(resolved.folder).n_layers == 4
+
+
+def test_cli_generate_with_private_weights(tiny_llama: Path, tmp_path: Path) -> None:
+    """`--private-weights` swaps the local layers: output changes, and matches a model folder
+    whose checkpoint holds those same weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from engine.audit.overlay import save_overlay
+    from engine.model import layer_tensor_names
+
+    cfg = load_config(tiny_llama)
+    full = load_file(str(tiny_llama / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    private = {
+        n: full[n] + 0.2 * torch.randn(full[n].shape, generator=g)
+        for n in layer_tensor_names(cfg, 0)
+    }
+    overlay = tmp_path / "private.safetensors"
+    save_overlay(overlay, private, cfg, {"test": True})
+    swapped = tmp_path / "swapped"
+    shutil.copytree(tiny_llama, swapped)
+    save_file({**full, **private}, str(swapped / "model.safetensors"))
+    common = (
+        "generate",
+        "--prompt",
+        "The quick",
+        "--local-layers",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "--decoder",
+        "sequential",
+        "--json",
+    )
+    public = json.loads(veil(*common, "--model", str(tiny_llama)).stdout)
+    priv = veil(*common, "--model", str(tiny_llama), "--private-weights", str(overlay))
+    assert priv.returncode == 0, priv.stderr
+    ref = json.loads(veil(*common, "--model", str(swapped)).stdout)
+    assert json.loads(priv.stdout)["token_ids"] == ref["token_ids"] != public["token_ids"]
+    missing = veil(*common, "--model", str(tiny_llama), "--private-weights", str(tmp_path / "x"))
+    assert_one_line_error(missing, "not found")

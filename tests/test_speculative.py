@@ -101,7 +101,7 @@ def test_speculative_greedy_equals_sequential(
     limit_at: int | None,
 ) -> None:
     runner = _runner(models[fam], k)
-    cfg = runner.client.config
+    cfg = _CONFIGS[(str(models[fam]), k)]  # examples share the runner: start from the original
     params = SamplingParams(max_new_tokens=max_new)
     runner.client.config = dataclasses.replace(cfg, eos_token_ids=())
     free = generate_sequential(runner, prompt, params).token_ids
