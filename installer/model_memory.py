@@ -1,6 +1,6 @@
 """How much memory a split model needs on the trunk server and on each client.
 
-    python installer/model_memory.py            # prints the Markdown table in the README ("Memory each model needs")
+    python installer/model_memory.py   # prints the README table "Memory each model needs"
 
 Counts come from the models' published ``config.json`` values (below) with Llama-family layer
 shapes: per layer q/k/v/o projections (+ q/k/v biases for Qwen2), gate/up/down MLP, two RMSNorms.
