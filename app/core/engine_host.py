@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,16 +35,17 @@ LOCAL = "Fully on this computer"
 OFFLINE = "Server unreachable"
 
 
-class TrunkSource:
-    """Where trunk sessions come from."""
+class TrunkSource(ABC):
+    """Where trunk sessions come from (demo server, invite code, or in this process)."""
 
     label = "trunk"
 
+    @abstractmethod
     def open(self, client: ClientModel, progress: Progress | None) -> Trunk:
-        raise NotImplementedError
+        """A new trunk session for ``client``'s current split."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - optional hook; most sources hold nothing
+        """Release whatever the source holds (e.g. stop a demo server)."""
 
 
 class InProcessSource(TrunkSource):
