@@ -291,3 +291,26 @@ def test_markdown_segments_split_code_blocks_even_while_streaming() -> None:
         Segment("code", "let x", "js"),
     ]
     assert segments("") == []
+
+
+def test_default_model_shows_the_shipped_audit_until_the_user_runs_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A fresh install shows the team's measured audit of the default model at the slider."""
+    from app.core import audit_info
+    from engine.audit.store import save_results, worst_case
+    from engine.loading import DEFAULT_MODEL
+
+    monkeypatch.setenv("VEIL_DATA_DIR", str(tmp_path / "fresh"))
+    shipped = json.loads(audit_info.shipped_audit_path(DEFAULT_MODEL).read_text())
+    fig = audit_info.figure(DEFAULT_MODEL, 2)
+    assert fig.top1 == worst_case(shipped, 2)[0]  # type: ignore[index]
+    assert fig.date == shipped["date"][:10]
+    own = {
+        **shipped,
+        "date": "2030-01-01",
+        "results": [{"k": 2, "attack": "ridge", "side": "input", "top1": 0.5}],
+    }
+    save_results(own)
+    assert audit_info.figure(DEFAULT_MODEL, 2).top1 == 0.5  # the user's own audit wins
+    assert audit_info.figure("some-other-model", 2).top1 is None
