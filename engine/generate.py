@@ -154,6 +154,35 @@ def check_context(runner: SplitRunner, prompt_len: int) -> None:
         raise GenerationError("empty prompt")
 
 
+@dataclass
+class Start:
+    """What every decoder sets up before its first forward pass."""
+
+    out: Output
+    generator: torch.Generator | None
+    stats: GenerationStats
+    limit: int  # the model's context length
+
+
+def start_generation(
+    runner: SplitRunner,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    on_text: TextCallback | None,
+) -> Start:
+    """Validate the request, reset every cache and build the per-generation state."""
+    params.validate()
+    check_context(runner, len(prompt_ids))
+    client = runner.client
+    runner.reset()
+    return Start(
+        out=Output(client.tokenizer, params, client.config.eos_token_ids, on_text),
+        generator=params.make_generator() if not params.greedy else None,
+        stats=GenerationStats(prompt_tokens=len(prompt_ids)),
+        limit=client.config.max_position_embeddings,
+    )
+
+
 def generate_sequential(
     runner: SplitRunner,
     prompt_ids: Sequence[int],
@@ -163,15 +192,9 @@ def generate_sequential(
     cancel: CancelToken | None = None,
 ) -> GenerationResult:
     """One token per trunk round trip: the reference every other decoder must equal."""
-    params.validate()
-    check_context(runner, len(prompt_ids))
-    client = runner.client
-    out = Output(client.tokenizer, params, client.config.eos_token_ids, on_text)
-    gen = params.make_generator() if not params.greedy else None
-    stats = GenerationStats(prompt_tokens=len(prompt_ids))
-    limit = client.config.max_position_embeddings
     t0 = time.perf_counter()
-    runner.reset()
+    st = start_generation(runner, prompt_ids, params, on_text)
+    out, gen, stats, limit = st.out, st.generator, st.stats, st.limit
     ids = list(prompt_ids)
     logits = runner.forward(ids, range(len(ids)), last_only=True)  # [1, V]
     stats.round_trips += 1

@@ -40,10 +40,8 @@ from engine.generate import (
     DECODERS,
     CancelToken,
     GenerationResult,
-    GenerationStats,
-    Output,
     TextCallback,
-    check_context,
+    start_generation,
 )
 from engine.sampling import SamplingParams, process_logits
 from engine.split import SplitRunner
@@ -167,20 +165,14 @@ def generate_speculative(
     options: SpecOptions | None = None,
 ) -> GenerationResult:
     """Tree speculative decoding: same output as :func:`engine.generate.generate_sequential`."""
-    params.validate()
-    check_context(runner, len(prompt_ids))
     opts = options or SpecOptions()
+    t0 = time.perf_counter()
+    st = start_generation(runner, prompt_ids, params, on_text)
+    out, gen, stats, limit = st.out, st.generator, st.stats, st.limit
     state = runner_state(runner)
     drafter = drafter or state.drafter
     cost = state.cost
     drafter.reset()
-    client = runner.client
-    out = Output(client.tokenizer, params, client.config.eos_token_ids, on_text)
-    gen = params.make_generator() if not params.greedy else None
-    stats = GenerationStats(prompt_tokens=len(prompt_ids))
-    limit = client.config.max_position_embeddings
-    t0 = time.perf_counter()
-    runner.reset()
     ctx = list(prompt_ids)
     logits = runner.forward(ctx, range(len(ctx)))  # [L, V]
     stats.round_trips += 1
