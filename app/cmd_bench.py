@@ -50,7 +50,12 @@ def add_parser(sub: Any) -> None:
         help="activations on the wire: float32 (default here, so the two decoders are compared "
         "without wire rounding noise) or float16 (the product default)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch threads for the client")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the client and for the local trunk (default: half the cores each)",
+    )
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=run)
 
@@ -115,6 +120,12 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     )
     out["all_identical"] = all(r["identical"] for r in rows)
     return out
+
+
+def kernels_status() -> str:
+    from engine import kernels
+
+    return kernels.status()
 
 
 def machine() -> str:
@@ -296,8 +307,10 @@ def run(args: argparse.Namespace) -> int:
 
     if "speculative" not in available_decoders():
         raise BenchError("the speculative decoder is not available in this build")
-    cpus = os.cpu_count() or 2
-    torch.set_num_threads(args.threads or max(1, cpus // 2))
+    if args.threads is not None and args.threads < 1:
+        raise BenchError("--threads must be at least 1")
+    threads = args.threads or max(1, (os.cpu_count() or 2) // 2)
+    torch.set_num_threads(threads)
     progress = CliProgress()
     client = load_client(
         args.model, args.local_layers, dtype=parse_dtype("float32"), progress=progress
@@ -310,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     # The server listens directly; our own WAN proxy sits in front so the RTT can be swept.
-    with start_local_trunk(args.model, min_local_layers=1) as srv:
+    with start_local_trunk(args.model, min_local_layers=1, threads=threads) as srv:
         proxy = WanProxy(
             "127.0.0.1", srv.port, args.rtt_ms, bandwidth_mbit=args.bandwidth_mbit
         ).start()
@@ -368,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
         "wire_dtype": args.wire_dtype,
         "machine": machine(),
         "client_threads": torch.get_num_threads(),
+        "trunk_threads": threads,
+        "kernels": kernels_status(),
         "wall_s": round(wall, 2),
         "prompts": rows,
         "summary": summary,

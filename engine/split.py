@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.errors import SplitError
+from engine.kernels import linear
 from engine.loading import (
     Progress,
     ResolvedModel,
@@ -190,14 +191,12 @@ class ClientModel:
             names.append("lm_head.weight")
         t = self.reader.read(names, dtype=dtype, device=device)
         self.norm_weight = t["model.norm.weight"]  # [H]
-        # The LM head is kept transposed ([H, V]) for fast row-vector products; a tied embedding
-        # is then read as a strided view of the same buffer, so it costs no extra memory.
+        # The LM head is [V, H], like the embedding; a tied model shares one buffer.
+        self.embed_weight = t["model.embed_tokens.weight"].contiguous()  # [V, H]
         if tied:
-            self.lm_head_t = t.pop("model.embed_tokens.weight").t().contiguous()  # [H, V]
-            self.embed_weight = self.lm_head_t.t()  # [V, H] view
+            self.lm_head = self.embed_weight  # [V, H]
         else:
-            self.embed_weight = t["model.embed_tokens.weight"]  # [V, H]
-            self.lm_head_t = t.pop("lm_head.weight").t().contiguous()  # [H, V]
+            self.lm_head = t["lm_head.weight"].contiguous()  # [V, H]
         self._layers: dict[int, LayerWeights] = {}
         self.plan = plan
         self.head = LayerStack(cfg, 0, [])
@@ -241,8 +240,8 @@ class ClientModel:
     def local_param_bytes(self) -> int:
         b = self.embed_weight.numel() * self.embed_weight.element_size()
         b += self.norm_weight.numel() * self.norm_weight.element_size()
-        if self.embed_weight.data_ptr() != self.lm_head_t.data_ptr():
-            b += self.lm_head_t.numel() * self.lm_head_t.element_size()
+        if self.embed_weight.data_ptr() != self.lm_head.data_ptr():
+            b += self.lm_head.numel() * self.lm_head.element_size()
         return b + sum(w.nbytes() for w in self._layers.values())
 
     def reset(self) -> None:
@@ -254,7 +253,7 @@ class ClientModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.norm_weight, self.config.rms_eps)  # [B, H]
-        return (h @ self.lm_head_t).float()  # [B, V]
+        return linear(h, self.lm_head).float()  # [B, V]
 
 
 class SplitRunner:

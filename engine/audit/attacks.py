@@ -36,10 +36,10 @@ def nearest_embedding(
 
 
 def logit_lens(
-    states: Sequence[torch.Tensor], norm_w: torch.Tensor, lm_head_t: torch.Tensor, eps: float
+    states: Sequence[torch.Tensor], norm_w: torch.Tensor, lm_head: torch.Tensor, eps: float
 ) -> list[torch.Tensor]:
-    """Top-5 of the final norm + LM head applied directly to each state."""
-    return [(rms_norm(s, norm_w, eps) @ lm_head_t).topk(5, dim=-1).indices for s in states]
+    """Top-5 of the final norm + LM head ([V, H]) applied directly to each state."""
+    return [F.linear(rms_norm(s, norm_w, eps), lm_head).topk(5, dim=-1).indices for s in states]
 
 
 class Standardizer:

@@ -54,18 +54,18 @@ def to_checkpoint(w: LayerWeights, index: int, cfg: ModelConfig) -> dict[str, to
     """Undo :meth:`LayerWeights.from_tensors`: checkpoint names and [out, in] layouts."""
     p = f"model.layers.{index}."
     nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    qkv = w.wqkv_t.detach().t()  # [(nh + 2 nkv) hd, H]
-    gate, up = w.wgu_t.detach().t().chunk(2, dim=0)  # [I, H] each
+    qkv = w.wqkv.detach()  # [(nh + 2 nkv) hd, H]
+    gate, up = w.wgu.detach().chunk(2, dim=0)  # [I, H] each
     out = {
         p + "input_layernorm.weight": w.ln1.detach(),
         p + "self_attn.q_proj.weight": qkv[:nq],
         p + "self_attn.k_proj.weight": qkv[nq : nq + nk],
         p + "self_attn.v_proj.weight": qkv[nq + nk :],
-        p + "self_attn.o_proj.weight": w.wo_t.detach().t(),
+        p + "self_attn.o_proj.weight": w.wo.detach(),
         p + "post_attention_layernorm.weight": w.ln2.detach(),
         p + "mlp.gate_proj.weight": gate,
         p + "mlp.up_proj.weight": up,
-        p + "mlp.down_proj.weight": w.wdown_t.detach().t(),
+        p + "mlp.down_proj.weight": w.wdown.detach(),
     }
     if w.bqkv is not None:
         b = w.bqkv.detach()

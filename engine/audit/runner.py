@@ -274,7 +274,7 @@ def _run_audit(
         p_o_te = [p[1:] for p in pii_te]
         oprior = A.prior_top5(y_o_tr)
         add(k, "prior", "output", [oprior.expand(len(t), -1) for t in y_o_te], y_o_te, p_o_te)
-        lens = A.logit_lens(o_te, am.client.norm_weight, am.client.lm_head_t, cfg.rms_eps)
+        lens = A.logit_lens(o_te, am.client.norm_weight, am.client.lm_head, cfg.rms_eps)
         add(k, "logit_lens", "output", lens, y_o_te, p_o_te)
         oridge = A.RidgeDecoder(_cat(o_tr), _cat(y_o_tr))
         add(k, "ridge", "output", [oridge.ranked(s, 5) for s in o_te], y_o_te, p_o_te)

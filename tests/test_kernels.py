@@ -1,0 +1,99 @@
+"""The small-batch linear kernel: equal to torch, batch-invariant, and safe fallbacks."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.split import SplitRunner, load_client, load_trunk
+
+
+@pytest.fixture
+def kernel_on() -> None:
+    if not kernels.available():
+        pytest.fail(f"the kernel should compile on the test machine: {kernels.status()}")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64])
+@pytest.mark.parametrize("shape", [(576, 960), (37, 11), (1536, 576), (64, 100)])
+def test_kernel_matches_torch(kernel_on: None, rows: int, shape: tuple[int, int]) -> None:
+    k_in, n_out = shape
+    g = torch.Generator().manual_seed(rows * 1000 + k_in)
+    x = torch.randn(rows, k_in, generator=g)
+    w = torch.randn(n_out, k_in, generator=g)
+    y = kernels.linear(x, w)
+    ref = torch.nn.functional.linear(x.double(), w.double()).float()
+    assert y.shape == (rows, n_out)
+    assert torch.allclose(y, ref, atol=2e-4 * k_in**0.5, rtol=1e-4)
+
+
+def test_kernel_is_batch_invariant(kernel_on: None) -> None:
+    """A row gets bit-identical results alone or inside any block, at any position."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(300, 576, generator=g)
+    x = torch.randn(23, 576, generator=g)
+    alone = torch.cat([kernels.linear(x[i : i + 1], w) for i in range(23)])  # [23, 300]
+    for size in (2, 3, 4, 5, 8, 9, 13, 23):
+        for start in range(0, 23 - size + 1, 5):
+            block = kernels.linear(x[start : start + size], w)
+            assert torch.equal(block, alone[start : start + size]), (size, start)
+
+
+def test_non_contiguous_input_and_threads(kernel_on: None) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(50, 40, generator=g)
+    x = torch.randn(40, 6, generator=g).t()  # [6, 40], not contiguous
+    ref = kernels.linear(x.contiguous(), w)
+    assert torch.equal(kernels.linear(x, w), ref)
+    # from another thread, with a different torch thread count
+    out: list[torch.Tensor] = []
+
+    def work() -> None:
+        torch.set_num_threads(1)
+        out.append(kernels.linear(x, w))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert torch.equal(out[0], ref)
+
+
+def test_fallbacks_use_torch() -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(20, 16, generator=g)
+    # autograd: the kernel has no backward, so grads must flow through torch
+    x = torch.randn(3, 16, generator=g, requires_grad=True)
+    kernels.linear(x, w).sum().backward()
+    assert x.grad is not None and torch.allclose(x.grad, w.sum(0).expand(3, 16))
+    # other dtypes and big blocks go to torch and keep their dtype
+    xb = torch.randn(2, 16, generator=g).bfloat16()
+    assert kernels.linear(xb, w.bfloat16()).dtype == torch.bfloat16
+    big = torch.randn(kernels.MAX_ROWS + 1, 16, generator=g)
+    assert torch.allclose(kernels.linear(big, w), big @ w.t(), atol=1e-5)
+
+
+def test_disabled_kernel_gives_the_same_tokens(tiny_llama: Path) -> None:
+    """The model runs the same with the kernel and with BLAS (to float tolerance)."""
+    client = load_client(str(tiny_llama), 1)
+    s, e = client.plan.trunk_range
+    runner = SplitRunner(client, load_trunk(str(tiny_llama), s, e))
+    ids = list(range(5, 40))
+    with_kernel = runner.forward(ids, range(len(ids)))
+    runner.reset()
+    step = [runner.forward(ids[:30], range(30))[-1:]]
+    step += [runner.forward([t], [i]) for i, t in enumerate(ids[30:], 30)]
+    kernels.set_enabled(False)
+    try:
+        assert not kernels.available()
+        assert kernels.status().startswith("BLAS")
+        runner.reset()
+        blas = [runner.forward(ids[:30], range(30))[-1:]]
+        blas += [runner.forward([t], [i]) for i, t in enumerate(ids[30:], 30)]
+    finally:
+        kernels.set_enabled(True)
+    assert torch.allclose(torch.cat(step), torch.cat(blas), atol=1e-4)
+    assert torch.allclose(torch.cat(step), with_kernel[29:], atol=1e-4)
