@@ -122,12 +122,6 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def kernels_status() -> str:
-    from engine import kernels
-
-    return kernels.status()
-
-
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -299,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from app.progress import CliProgress
+    from engine import kernels
     from engine.generate import available_decoders
     from engine.local_server import start_local_trunk
     from engine.session import parse_dtype
@@ -382,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": machine(),
         "client_threads": torch.get_num_threads(),
         "trunk_threads": threads,
-        "kernels": kernels_status(),
+        "kernels": kernels.status(),
         "wall_s": round(wall, 2),
         "prompts": rows,
         "summary": summary,

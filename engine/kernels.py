@@ -4,9 +4,8 @@ Decoding multiplies a handful of rows (one token, or a draft tree of 2-64 nodes)
 matrix. BLAS libraries are tuned for big matrices: on the CPUs we measured, MKL's GEMM for 4-16
 rows costs 3-4x its single-row GEMV, although the weights — which dominate the memory traffic —
 are the same. This module streams each weight row once and computes its dot products with four
-input rows at a time (a numba kernel, vectorized by LLVM, parallel over output rows), so a block
-of up to ~8 rows costs about what one row costs and a 16-32 node tree about 2-3x. See
-docs/performance.md for measurements.
+input rows at a time (a numba kernel, vectorized by LLVM, parallel over tiles of weight rows),
+so a block of up to ~4 rows costs about what one row costs and a 16-node tree about 3x.
 
 Batch invariance: every output element is computed by the same code (rows are taken four at a
 time; a short last group repeats its last row and discards the copies), so a row's result does not
@@ -34,8 +33,7 @@ MAX_ROWS = 64  # blocks up to this many rows use the kernel; bigger ones (prefil
 
 _lock = threading.Lock()
 _kernel: Callable[..., None] | None = None
-_state = "untried"  # "untried" | "ready" | "unavailable"
-_reason = ""
+_reason = ""  # why the kernel is unavailable, once a build has failed
 _enabled = os.environ.get("VEIL_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
@@ -64,19 +62,18 @@ def _build() -> Callable[..., None]:
 
 def available() -> bool:
     """Whether the kernel is usable (compiles it on first call, ~1 s; cached on disk after)."""
-    global _kernel, _state, _reason
+    global _kernel, _reason
     if not _enabled:
         return False
-    if _state == "untried":
+    if _kernel is None and not _reason:
         with _lock:
-            if _state == "untried":
+            if _kernel is None and not _reason:
                 try:
                     _kernel = _build()
-                    _state = "ready"
                 except Exception as exc:  # numba missing, no LLVM target, frozen-app quirks...
-                    _state, _reason = "unavailable", f"{type(exc).__name__}: {exc}"
+                    _reason = f"{type(exc).__name__}: {exc}"
                     log.info("small-batch kernel unavailable, using BLAS: %s", _reason)
-    return _state == "ready"
+    return _kernel is not None
 
 
 def status() -> str:
