@@ -131,7 +131,9 @@ class NodeSource(DraftSource, Protocol):
         ...
 
     def children(self, seq: Sequence[int], depth: int) -> list[Child]:
-        """Likely next tokens after ``seq`` (the context followed by a draft path)."""
+        """Likely next tokens after ``seq`` (the context followed by a draft path). A token may
+        be listed more than once with different keys (several pieces of evidence); the drafter
+        calibrates each and combines them."""
         ...
 
 
@@ -258,9 +260,9 @@ class RecyclingDraft:
 
     ``observe`` stores, for every node of every verified block (and every prompt position),
     the top-k next tokens and their probabilities as the successors of that node's token, and
-    also of the (previous token, token) pair, which predicts better when it has been seen; the
-    most recent observation wins. The tables are kept across conversations (they are the
-    model's own prior, not user text).
+    also of the (previous token, token) pair; the most recent observation wins. Children come
+    from both tables, one per token, keyed by which tables list it. The tables are kept across
+    conversations (they are the model's own prior, not user text).
     """
 
     name = "recycle"
@@ -336,19 +338,34 @@ class RecyclingDraft:
     def children(self, seq: Sequence[int], depth: int) -> list[Child]:
         if depth > self.max_depth or not seq:
             return []
-        entry, kind = None, 0
+        pair = None
         if self.pairs and len(seq) > 1:
-            entry, kind = self.pair_table.get((int(seq[-2]), int(seq[-1]))), 1
-        if entry is None:
-            entry, kind = self.table.get(int(seq[-1])), 0
-        if entry is None:
-            entry, kind = self._similar(int(seq[-1])), 2
-        out: list[Child] = []
-        if entry is not None:
-            out = [
-                (t, p, (kind, min(rank, 4), _bucket(p, (0.1, 0.3, 0.5, 0.7, 0.9)), min(depth, 3)))
-                for rank, (t, p) in enumerate(zip(*entry, strict=True))
-            ]
+            pair = self.pair_table.get((int(seq[-2]), int(seq[-1])))
+        single = self.table.get(int(seq[-1]))
+        if pair is None and single is None:
+            single = self._similar(int(seq[-1]))
+            kinds = (0, 2)  # unused pair kind, similar-token kind
+        else:
+            kinds = (1, 0)
+        # One child per token; its key says which tables list it (both agreeing is stronger
+        # evidence than either alone, but not independent evidence), its best rank and
+        # probability, so the drafter's calibration learns what each combination is worth.
+        found: dict[int, tuple[float, int, int]] = {}  # token -> (prob, rank, kind mask)
+        for entry, bit in ((pair, 1), (single, 2)):
+            if entry is None:
+                continue
+            for rank, (t, p) in enumerate(zip(*entry, strict=True)):
+                q, r, mask = found.get(t, (0.0, rank, 0))
+                found[t] = (max(q, p), min(r, rank), mask | bit)
+        kind_of = {1: kinds[0], 2: kinds[1], 3: 4}
+        out: list[Child] = [
+            (
+                t,
+                p,
+                (kind_of[mask], min(rank, 4), _bucket(p, (0.1, 0.3, 0.5, 0.7, 0.9)), min(depth, 3)),
+            )
+            for t, (p, rank, mask) in found.items()
+        ]
         hint = self._hint
         if depth == 1 and hint is not None and hint[0] == int(seq[-1]):
             out += [

@@ -98,14 +98,32 @@ class CostModel:
 
 @dataclass
 class SpecOptions:
-    max_nodes: int = 64  # draft nodes proposed per round before the cost model trims
+    max_nodes: int = 64  # most draft nodes proposed per round before the cost model trims
     fixed_budget: int | None = None  # skip the cost model: always send this many nodes (or fewer)
+
+
+def proposal_size(recent: Sequence[int], max_nodes: int) -> int:
+    """How many nodes to draft before the cost model trims: twice the biggest recent choice plus
+    some slack (drafting costs CPU time per node; the cost model rarely wants much more than it
+    just chose, and can double its choice every round), at most ``max_nodes``."""
+    if not recent:
+        return max_nodes
+    return max(1, min(max_nodes, 8 + 2 * max(recent)))
+
+
+def top_successors(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` token ids and their softmax probabilities per row of ``logits`` [B, V], without
+    materializing the whole softmax."""
+    vals, ids = logits.topk(k, dim=-1)  # [B, k]
+    probs = (vals - logits.logsumexp(-1, keepdim=True)).exp()  # [B, k]
+    return ids, probs
 
 
 @dataclass
 class _RunnerState:
     drafter: TreeDrafter
     cost: CostModel = field(default_factory=CostModel)
+    recent: list[int] = field(default_factory=list)  # the cost model's last choices
 
 
 _STATE: weakref.WeakKeyDictionary[SplitRunner, _RunnerState] = weakref.WeakKeyDictionary()
@@ -176,8 +194,8 @@ def generate_speculative(
     ctx = list(prompt_ids)
     logits = runner.forward(ctx, range(len(ctx)))  # [L, V]
     stats.round_trips += 1
-    top = logits.softmax(-1).topk(TOPK, dim=-1)  # [L, K]
-    drafter.learn_prompt(ctx, top.indices, top.values)
+    top_ids, top_probs = top_successors(logits, TOPK)  # [L, K]
+    drafter.learn_prompt(ctx, top_ids, top_probs)
     cost.observe(len(ctx), time.perf_counter() - t0)
     tok = choose_token(logits[-1], params, ctx, gen, {})
     ctx.append(tok)
@@ -199,8 +217,10 @@ def generate_speculative(
             tree = drafter.propose(ctx, opts.fixed_budget)
             tree = limit_depth(tree, room)
         else:
-            tree = limit_depth(drafter.propose(ctx, opts.max_nodes), room)
+            size = proposal_size(state.recent, opts.max_nodes)
+            tree = limit_depth(drafter.propose(ctx, size), room)
             tree = tree.prefix(cost.choose(tree.path_probs()))
+            state.recent = [*state.recent[-7:], len(tree)]
         ids, parents = tree.block(root)
         positions = [root_pos] + [root_pos + d for d in tree.depths()]
         logits = runner.forward(ids, positions, parents, keep)  # [B, V]
@@ -231,10 +251,8 @@ def generate_speculative(
         stats.accepted_hist[committed] = stats.accepted_hist.get(committed, 0) + 1
         if done:
             break
-        top = logits.softmax(-1).topk(TOPK, dim=-1)  # [B, K]
-        drafter.observe(
-            Verified(ctx, ids, parents, top.indices, top.values, path, targets, root_pos)
-        )
+        top_ids, top_probs = top_successors(logits, TOPK)  # [B, K]
+        drafter.observe(Verified(ctx, ids, parents, top_ids, top_probs, path, targets, root_pos))
         cost.observe(len(ids), time.perf_counter() - t_round)
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first

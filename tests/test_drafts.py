@@ -84,6 +84,26 @@ def test_recycling_expands_stored_successors() -> None:
     assert len(r.propose([3, 99], 4)) == 0
 
 
+def test_recycling_lists_pair_and_single_successors() -> None:
+    r = RecyclingDraft(k=2)
+    # token 5 after 1 was followed by {7, 8}; token 5 after 2 (more recent) by {8, 9}
+    r.learn([1, 5], torch.tensor([[5, 6], [7, 8]]), torch.tensor([[0.5, 0.2], [0.6, 0.3]]))
+    r.learn([2, 5], torch.tensor([[5, 6], [8, 9]]), torch.tensor([[0.5, 0.2], [0.7, 0.2]]))
+    kids = {t: (p, key) for t, p, key in r.children([1, 5], 1)}
+    # one child per token: 7 only in the pair (1, 5), 9 only in the single-token table, 8 in
+    # both (with its best probability and rank); the key's kind says which
+    assert sorted(kids) == [7, 8, 9]
+    assert [kids[t][1][0] for t in (7, 8, 9)] == [1, 4, 0]
+    assert kids[8][0] == pytest.approx(0.7) and kids[8][1][1] == 0  # max prob, best rank
+    assert kids[7][1] != kids[8][1]  # calibrated separately
+    tree = r.propose([1, 5], 2)
+    _valid(tree, 2)
+    assert tree.tokens == [8, 7]
+    # the merged drafter does not count the correlated tables as independent evidence
+    merged = TreeDrafter([r]).propose([1, 5], 1)
+    assert merged.tokens == [8] and merged.probs[0] == pytest.approx(0.7)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     ctx=st.lists(st.integers(0, 6), min_size=1, max_size=60),

@@ -356,3 +356,20 @@ def test_cost_model_fits_round_time_and_picks_the_best_prefix() -> None:
     for n in (1, 8, 16, 32):
         cheap.observe(n, 0.001 + 0.01 * n)  # compute-bound: every node costs a lot
     assert cheap.choose([0.3, 0.2, 0.1]) == 0
+
+
+def test_proposal_size_follows_the_cost_models_recent_choices() -> None:
+    assert spec.proposal_size([], 64) == 64  # nothing chosen yet: draft the most
+    assert spec.proposal_size([3, 5, 2], 64) == 18  # room to double the biggest recent choice
+    assert spec.proposal_size([40], 64) == 64
+    assert spec.proposal_size([0, 0], 64) == 8
+    assert spec.proposal_size([0], 4) == 4
+
+
+def test_top_successors_are_the_softmax_top_k() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 50, generator=g) * 4  # [B, V]
+    ids, probs = spec.top_successors(logits, 6)
+    ref = logits.softmax(-1).topk(6, dim=-1)
+    assert torch.equal(ids, ref.indices)
+    assert torch.allclose(probs, ref.values, rtol=1e-5, atol=1e-7)
