@@ -54,7 +54,15 @@ def add_parser(sub: Any) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for the client and for the local trunk (default: half the cores each)",
+        help="CPU threads for torch's ops in the client and in the local trunk (default: half "
+        "the cores each)",
+    )
+    p.add_argument(
+        "--kernel-threads",
+        type=int,
+        default=None,
+        help="CPU threads for the small-batch matrix kernel on each side (default: every core; "
+        "the client and the trunk compute in turn)",
     )
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=run)
@@ -304,8 +312,12 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError("the speculative decoder is not available in this build")
     if args.threads is not None and args.threads < 1:
         raise BenchError("--threads must be at least 1")
+    if args.kernel_threads is not None and args.kernel_threads < 1:
+        raise BenchError("--kernel-threads must be at least 1")
     threads = args.threads or max(1, (os.cpu_count() or 2) // 2)
+    kernel_threads = args.kernel_threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    kernels.set_threads(kernel_threads)
     progress = CliProgress()
     client = load_client(
         args.model, args.local_layers, dtype=parse_dtype("float32"), progress=progress
@@ -318,7 +330,9 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     # The server listens directly; our own WAN proxy sits in front so the RTT can be swept.
-    with start_local_trunk(args.model, min_local_layers=1, threads=threads) as srv:
+    with start_local_trunk(
+        args.model, min_local_layers=1, threads=threads, kernel_threads=kernel_threads
+    ) as srv:
         proxy = WanProxy(
             "127.0.0.1", srv.port, args.rtt_ms, bandwidth_mbit=args.bandwidth_mbit
         ).start()
@@ -377,6 +391,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": machine(),
         "client_threads": torch.get_num_threads(),
         "trunk_threads": threads,
+        "kernel_threads": kernel_threads,
         "kernels": kernels.status(),
         "wall_s": round(wall, 2),
         "prompts": rows,

@@ -35,6 +35,20 @@ _lock = threading.Lock()
 _kernel: Callable[..., None] | None = None
 _reason = ""  # why the kernel is unavailable, once a build has failed
 _enabled = os.environ.get("VEIL_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
+_threads: int | None = None  # kernel threads; None: as many as torch uses
+
+
+def parse_threads(text: str | None) -> int | None:
+    """``VEIL_KERNEL_THREADS``: a positive count, or empty/"auto" for torch's count."""
+    if text is None or text.strip().lower() in ("", "auto"):
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"VEIL_KERNEL_THREADS must be a positive number or 'auto', not {text!r}")
+    return n
 
 
 def _cache_dir() -> str:
@@ -68,12 +82,24 @@ def available() -> bool:
     if _kernel is None and not _reason:
         with _lock:
             if _kernel is None and not _reason:
+                threads = torch.get_num_threads()
                 try:
                     _kernel = _build()
                 except Exception as exc:  # numba missing, no LLVM target, frozen-app quirks...
                     _reason = f"{type(exc).__name__}: {exc}"
                     log.info("small-batch kernel unavailable, using BLAS: %s", _reason)
+                finally:
+                    # Starting numba's OpenMP pool sets the process's OpenMP thread count to the
+                    # pool size, and torch reads that count: without this, a process told to use
+                    # one thread (the bench's client and trunk, `veil-trunk --threads 1`) ran its
+                    # torch ops, and then the kernel, on every core after the first product.
+                    _restore_threads(threads)
     return _kernel is not None
+
+
+def _restore_threads(n: int) -> None:
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def status() -> str:
@@ -94,10 +120,24 @@ def set_enabled(on: bool) -> None:
 _local = threading.local()
 
 
-def _sync_threads() -> None:
-    """Use as many threads as torch is told to (``torch.set_num_threads``). numba's count is
-    per calling thread, so each thread that runs the kernel sets its own."""
-    n = torch.get_num_threads()
+def set_threads(n: int | None) -> None:
+    """Threads for the kernel, independent of torch's (``None``: follow torch). When the client
+    and the trunk share a machine they compute in turn, so each side's kernel — the bulk of its
+    time — may use every core while torch's small elementwise ops stay on one."""
+    global _threads
+    if n is not None and n < 1:
+        raise ValueError("kernel threads must be at least 1")
+    _threads = n
+
+
+def threads() -> int:
+    """How many threads the kernel runs on in this thread."""
+    return _threads or torch.get_num_threads()
+
+
+def _sync_threads(n: int) -> None:
+    """Run the kernel on ``n`` threads (what torch is told to use). numba's count is per calling
+    thread, so each thread that runs the kernel sets its own."""
     if getattr(_local, "threads", None) != n:
         import numba
 
@@ -123,7 +163,9 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     assert _kernel is not None
     xc = x.contiguous()
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)  # [B, out]
+    n = torch.get_num_threads()
     with _lock:  # numba's fallback threading layer is not re-entrant
-        _sync_threads()
+        _sync_threads(_threads or n)
         _kernel(xc.numpy(), w.numpy(), y.numpy())
+    _restore_threads(n)  # in case numba's pool (re)started in this call; see available()
     return y

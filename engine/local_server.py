@@ -64,6 +64,7 @@ class LocalTrunkServer:
         extra_args: Sequence[str] = (),
         ready_timeout_s: float = READY_TIMEOUT_S,
         threads: int | None = None,
+        kernel_threads: int | None = None,
     ) -> None:
         import zmq
 
@@ -78,6 +79,10 @@ class LocalTrunkServer:
         # The client runs on the same cores: half of them each (torch's default of all cores
         # in both processes oversubscribes the CPU and makes every step ~10x slower).
         self.threads = threads if threads is not None else max(1, (os.cpu_count() or 2) // 2)
+        # The client waits while the trunk computes and the other way round, so the matrix
+        # kernel (most of either side's time, and no busy-waiting between calls) may use every
+        # core; torch's small ops keep their share.
+        self.kernel_threads = kernel_threads if kernel_threads is not None else os.cpu_count() or 1
         pub, sec = zmq.curve_keypair()
         self.server_public_key = pub.decode()
         self._server_secret = sec.decode()
@@ -125,6 +130,8 @@ class LocalTrunkServer:
             "--keys-from-stdin",
             "--threads",
             str(self.threads),
+            "--kernel-threads",
+            str(self.kernel_threads),
             *self.extra_args,
         ]
         env = dict(os.environ)
@@ -253,6 +260,7 @@ def start_local_trunk(
     dtype: str = "float32",
     extra_args: Sequence[str] = (),
     threads: int | None = None,
+    kernel_threads: int | None = None,
 ) -> LocalTrunkServer:
     """Spawn a CURVE-secured ``veil-trunk serve`` on 127.0.0.1 and wait until it is ready."""
     return LocalTrunkServer(
@@ -264,4 +272,5 @@ def start_local_trunk(
         dtype=dtype,
         extra_args=extra_args,
         threads=threads,
+        kernel_threads=kernel_threads,
     ).start()

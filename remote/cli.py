@@ -124,6 +124,13 @@ def build_parser() -> Parser:
         help="CPU threads for the layer math (default 0: torch's choice, one per core)",
     )
     s.add_argument(
+        "--kernel-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="CPU threads for the small-batch matrix kernel (default 0: same as --threads)",
+    )
+    s.add_argument(
         "--dtype", default="float32", help="compute dtype: float32 (default), bfloat16 or float16"
     )
     s.add_argument(
@@ -299,6 +306,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.kernel_threads < 0:
+        raise CliError("--kernel-threads must be >= 0")
+    if args.kernel_threads:
+        from engine import kernels
+
+        kernels.set_threads(args.kernel_threads)
     if not args.bind.startswith("tcp://"):
         raise CliError("--bind must be a tcp://HOST:PORT address")
     opts = ServerOptions(

@@ -9,6 +9,7 @@ import pytest
 
 from app.cli import main
 from app.cmd_bench import load_prompts, summarize
+from engine import kernels
 from engine.errors import VeilError
 from tests.tiny import make_model
 
@@ -43,13 +44,17 @@ def test_bench_writes_results_and_plots(tmp_path: Path, capsys: pytest.CaptureFi
             "6",
             "--threads",
             "1",
+            "--kernel-threads",
+            "1",
             "--out",
             str(out),
         ]
     )
+    kernels.set_threads(None)  # the bench sets the process-wide kernel threads
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["model"] and res["rtt_ms"] == 20
+    assert res["trunk_threads"] == 1 and res["kernel_threads"] == 1
     assert [p["id"] for p in res["prompts"]] == ["a", "b"]
     for p in res["prompts"]:
         assert set(p) >= {"id", "category", "sequential", "speculative", "identical"}
@@ -114,3 +119,8 @@ def test_bench_cli_reports_bad_input_in_one_line(
     err = capsys.readouterr().err.strip()
     assert rc != 0
     assert err.startswith("veil: error: cannot read the prompts file") and "\n" not in err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "category": "c", "prompt": "hi"}) + "\n")
+    rc = main(["bench", "--prompts", str(prompts), "--kernel-threads", "0", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and err == "veil: error: --kernel-threads must be at least 1"

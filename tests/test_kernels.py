@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -97,3 +99,46 @@ def test_disabled_kernel_gives_the_same_tokens(tiny_llama: Path) -> None:
         kernels.set_enabled(True)
     assert torch.allclose(torch.cat(step), torch.cat(blas), atol=1e-4)
     assert torch.allclose(torch.cat(step), with_kernel[29:], atol=1e-4)
+
+
+def test_kernel_threads_do_not_change_results(kernel_on: None) -> None:
+    """Threads split the weight rows, never a dot product: the bits do not depend on them."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(1000, 576, generator=g)
+    x = torch.randn(9, 576, generator=g)
+    try:
+        kernels.set_threads(1)
+        one = kernels.linear(x, w)
+        kernels.set_threads(2)
+        assert kernels.threads() == 2
+        two = kernels.linear(x, w)
+    finally:
+        kernels.set_threads(None)
+    assert torch.equal(one, two)
+    assert kernels.threads() == torch.get_num_threads()
+    with pytest.raises(ValueError):
+        kernels.set_threads(0)
+
+
+def test_starting_the_kernel_keeps_torchs_thread_count() -> None:
+    """numba's OpenMP pool used to reset the process's thread count to every core on its first
+    product, so a process told to use one thread silently used all of them (in a fresh process:
+    the pool starts once)."""
+    code = (
+        "import torch\n"
+        "torch.set_num_threads(1)\n"
+        "torch.randn(64, 64) @ torch.randn(64, 64)\n"  # torch's thread state in use
+        "assert torch.get_num_threads() == 1\n"
+        "from engine import kernels\n"
+        "assert kernels.available(), kernels.status()\n"
+        "kernels.linear(torch.randn(3, 64), torch.randn(128, 64))\n"
+        "kernels.set_threads(2)\n"
+        "kernels.linear(torch.randn(3, 64), torch.randn(128, 64))\n"
+        "print(torch.get_num_threads())\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"

@@ -545,6 +545,10 @@ def test_cli_key_management(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     # plain TCP is refused off loopback, in one line, before any model is loaded
     assert main(["serve", "--model", "x", "--insecure", "--bind", "tcp://0.0.0.0:5999"]) == 2
     assert "loopback" in capsys.readouterr().err
+    for flag in ("--threads", "--kernel-threads"):
+        argv = ["serve", "--model", "x", "--insecure", "--bind", "tcp://127.0.0.1:5999", flag]
+        assert main([*argv, "-1"]) == 2
+        assert f"{flag} must be >= 0" in capsys.readouterr().err
 
 
 def test_two_terminal_flow_with_veil_generate(
