@@ -305,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.generate import available_decoders
     from engine.local_server import start_local_trunk
     from engine.session import parse_dtype
+    from engine.speculative import forget
     from engine.split import SplitRunner, load_client
     from engine.wan_proxy import WanProxy
 
@@ -367,6 +368,9 @@ def run(args: argparse.Namespace) -> int:
                     ]
                     for rtt in sweep:
                         proxy.set_rtt(rtt)
+                        # each pass starts as the first did: nothing learned from these prompts
+                        forget(runner)
+                        run_prompts(runner, prompts[:1], min(8, args.max_new_tokens), None)
                         s = summarize(run_prompts(runner, prompts, args.max_new_tokens, bar))
                         points.append(
                             {

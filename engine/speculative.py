@@ -137,6 +137,12 @@ def runner_state(runner: SplitRunner) -> _RunnerState:
     return st
 
 
+def forget(runner: SplitRunner) -> None:
+    """Drop what the drafter and cost model learned with ``runner`` (benchmarks use this so a
+    pass over prompts already seen does not profit from their recycled successors)."""
+    _STATE.pop(runner, None)
+
+
 def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     """Drop nodes deeper than ``max_depth`` (and so their subtrees), keeping the order."""
     if max_depth <= 0:

@@ -373,3 +373,19 @@ def test_top_successors_are_the_softmax_top_k() -> None:
     ref = logits.softmax(-1).topk(6, dim=-1)
     assert torch.equal(ids, ref.indices)
     assert torch.allclose(probs, ref.values, rtol=1e-5, atol=1e-7)
+
+
+def test_forget_drops_what_a_runner_learned(models: dict[str, Path]) -> None:
+    runner = _runner(models["llama"], 1)
+    runner.client.config = _CONFIGS[(str(models["llama"]), 1)]
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    params = SamplingParams(max_new_tokens=6)
+    spec.generate_speculative(runner, prompt, params)
+    learned = spec.runner_state(runner)
+    assert spec.runner_state(runner) is learned  # kept across generations
+    recycle = learned.drafter.sources[-1]
+    assert getattr(recycle, "table", None)  # the prompt's successors were recorded
+    spec.forget(runner)
+    fresh = spec.runner_state(runner)
+    assert fresh is not learned and not getattr(fresh.drafter.sources[-1], "table", None)
+    assert fresh.recent == []
