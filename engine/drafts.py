@@ -341,12 +341,9 @@ class RecyclingDraft:
         pair = None
         if self.pairs and len(seq) > 1:
             pair = self.pair_table.get((int(seq[-2]), int(seq[-1])))
-        single = self.table.get(int(seq[-1]))
-        if pair is None and single is None:
-            single = self._similar(int(seq[-1]))
-            kinds = (0, 2)  # unused pair kind, similar-token kind
-        else:
-            kinds = (1, 0)
+        single, single_kind = self.table.get(int(seq[-1])), 0
+        if pair is None and single is None:  # never seen: borrow a similar token's successors
+            single, single_kind = self._similar(int(seq[-1])), 2
         # One child per token; its key says which tables list it (both agreeing is stronger
         # evidence than either alone, but not independent evidence), its best rank and
         # probability, so the drafter's calibration learns what each combination is worth.
@@ -357,7 +354,7 @@ class RecyclingDraft:
             for rank, (t, p) in enumerate(zip(*entry, strict=True)):
                 q, r, mask = found.get(t, (0.0, rank, 0))
                 found[t] = (max(q, p), min(r, rank), mask | bit)
-        kind_of = {1: kinds[0], 2: kinds[1], 3: 4}
+        kind_of = {1: 1, 2: single_kind, 3: 4}  # pair only, single only, both
         out: list[Child] = [
             (
                 t,

@@ -38,19 +38,6 @@ _enabled = os.environ.get("VEIL_KERNELS", "1").strip().lower() not in ("0", "off
 _threads: int | None = None  # kernel threads; None: as many as torch uses
 
 
-def parse_threads(text: str | None) -> int | None:
-    """``VEIL_KERNEL_THREADS``: a positive count, or empty/"auto" for torch's count."""
-    if text is None or text.strip().lower() in ("", "auto"):
-        return None
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"VEIL_KERNEL_THREADS must be a positive number or 'auto', not {text!r}")
-    return n
-
-
 def _cache_dir() -> str:
     from platformdirs import user_cache_dir
 
@@ -136,8 +123,8 @@ def threads() -> int:
 
 
 def _sync_threads(n: int) -> None:
-    """Run the kernel on ``n`` threads (what torch is told to use). numba's count is per calling
-    thread, so each thread that runs the kernel sets its own."""
+    """Run the kernel on ``n`` threads. numba's count is per calling thread, so each thread that
+    runs the kernel sets its own."""
     if getattr(_local, "threads", None) != n:
         import numba
 
@@ -165,7 +152,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)  # [B, out]
     n = torch.get_num_threads()
     with _lock:  # numba's fallback threading layer is not re-entrant
-        _sync_threads(_threads or n)
+        _sync_threads(_threads or n)  # = threads()
         _kernel(xc.numpy(), w.numpy(), y.numpy())
     _restore_threads(n)  # in case numba's pool (re)started in this call; see available()
     return y
