@@ -1,5 +1,6 @@
-"""The numba kernel behind :mod:`engine.kernels` (imported lazily: importing compiles it, or
-loads it from numba's on-disk cache). Kept in its own module so numba's cache can key it by file.
+"""The numba small-row float32 kernel behind :mod:`engine.kernels` (imported lazily: importing
+compiles it, or loads it from numba's on-disk cache). Kept in its own module so numba's cache can
+key it by file.
 """
 
 from __future__ import annotations

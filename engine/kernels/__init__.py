@@ -47,7 +47,7 @@ def _cache_dir() -> str:
 def _build() -> Callable[..., None]:
     """Compile (or load from numba's on-disk cache) the kernel. Raises on any failure."""
     os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())
-    from engine._numba_kernels import rows_times_weight
+    from engine.kernels._small_rows import rows_times_weight
 
     kernel: Callable[..., None] = rows_times_weight
     # smoke-check the compiled code against torch before trusting it
