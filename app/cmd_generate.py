@@ -10,7 +10,9 @@ import time
 from typing import Any
 
 from app.progress import CliProgress
+from engine import kernels
 from engine.chat import messages_for, prompt_ids
+from engine.errors import GenerationError
 from engine.generate import CancelToken, available_decoders, generate
 from engine.loading import DEFAULT_MODEL
 from engine.sampling import SamplingParams
@@ -40,7 +42,20 @@ def add_common_model_args(p: argparse.ArgumentParser) -> None:
         metavar="T",
         help="asymmetric split: tail layers (then --local-layers is the head)",
     )
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="compute dtype: auto (default: bfloat16 on CPUs with native bf16 products and on "
+        "CUDA, else float32), float32 (the reference), bfloat16 or float16",
+    )
+    p.add_argument(
+        "--client-quant",
+        default="auto",
+        choices=("auto", "none", "int8", "int4"),
+        help="the client's weights: auto (default: a GGUF model's own quantized blocks, kept "
+        "quantized; float checkpoints stay float), none (float: the reference path), int8 "
+        "(per channel) or int4 (groups of 32), quantized once and cached",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument(
         "--private-weights",
@@ -66,6 +81,11 @@ def add_parser(sub: Any) -> None:
         help="run the trunk on a veil-trunk server: tcp://HOST:PORT (its key saved before) "
         "or an invite code from `veil-trunk invite` (default: the trunk runs here)",
     )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plain TCP to a `veil-trunk serve --insecure` on this computer (loopback only)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -84,6 +104,13 @@ def add_parser(sub: Any) -> None:
         default=default_decoder(),
         help="sequential or speculative (default: %(default)s)",
     )
+    p.add_argument(
+        "--draft-head",
+        default="auto",
+        metavar="auto|none|FILE",
+        help="learned draft head for the speculative decoder: auto (the one shipped for this "
+        "model, if any; default), none, or a file made by `veil train-draft`",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
@@ -98,9 +125,11 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
         local_layers=args.local_layers,
         tail_layers=args.tail_layers,
         server=getattr(args, "server", None),
+        insecure=bool(getattr(args, "insecure", False)),
         dtype=args.dtype,
         device=args.device,
         private_weights=getattr(args, "private_weights", None),
+        client_quant=getattr(args, "client_quant", "auto"),
     )
 
 
@@ -124,11 +153,16 @@ def run(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     params.validate()
+    if getattr(args, "insecure", False) and not args.server:
+        raise GenerationError("--insecure needs --server tcp://127.0.0.1:PORT")
     progress = CliProgress()
     t0 = time.perf_counter()
+    if getattr(args, "int8_activations", False):
+        kernels.set_int8_activations(True)
     runner = open_runner(runner_options(args), progress)
     progress.close()
     load_s = time.perf_counter() - t0
+    head_name = _use_draft_head(runner, args)
     ids = prompt_ids(runner.client.tokenizer, messages_for(args.prompt, args.system))
 
     def stream(delta: str) -> None:
@@ -167,15 +201,40 @@ def run(args: argparse.Namespace) -> int:
         "fully_local": runner.client.plan.fully_local,
         "model": runner.client.name,
         "decoder": args.decoder,
+        "dtype": str(runner.client.dtype).removeprefix("torch."),
+        "client_quant": runner.client.client_quant,
+        "int8_activations": bool(getattr(args, "int8_activations", False)),
+        "kernels": kernels.status(),
+        "quant_kernels": kernels.quant_status(),
         "local_param_bytes": runner.client.local_param_bytes(),
         "peak_memory_bytes": peak_memory_bytes(args.device),
         "round_trips": st.round_trips,
         "tokens_per_round_trip": round(st.tokens_per_round_trip, 4),
         "tree_nodes_sent": st.tree_nodes_sent,
         "accepted_hist": {str(k): v for k, v in sorted(st.accepted_hist.items())},
+        "draft_ms_per_round": round(st.draft_ms_per_round, 3),
+        "draft_head": head_name,
     }
     extra = getattr(runner.trunk, "json_stats", None)
     if callable(extra):
         out.update(extra())
     print(json.dumps(out))
     return 0
+
+
+def _use_draft_head(runner: Any, args: argparse.Namespace) -> str | None:
+    """Apply ``--draft-head``; returns the head file drafting uses (None: no learned head)."""
+    choice = getattr(args, "draft_head", "auto")
+    if args.decoder != "speculative":
+        return None
+    from engine.drafts.select import parse_head_choice
+    from engine.speculative import draft_head_of, use_draft_head
+
+    try:
+        use_draft_head(runner, parse_head_choice(choice, runner.client))
+    except Exception:
+        if runner.trunk is not None:
+            runner.trunk.close()
+        raise
+    head = draft_head_of(runner)
+    return str(head.path) if head is not None and head.path else None

@@ -11,15 +11,18 @@ import argparse
 import base64
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
-from PySide6.QtCore import QByteArray, Qt, QTimer
+from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, QTimer
 from PySide6.QtGui import QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QApplication,
+    QDialog,
     QHBoxLayout,
     QLabel,
     QMainWindow,
+    QMessageBox,
     QProgressBar,
     QScrollArea,
     QStackedWidget,
@@ -27,8 +30,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.core import audit_info
+from app.core import audit_info, problems
 from app.core.controller import AppController
+from app.core.engine_host import OFFLINE, RESTARTED, RESTARTING
+from app.core.privacy import PrivacyView, welcome_text
 from app.core.settings import Settings
 from app.core.tasks import Task, TaskContext
 from app.views.audit_dialog import AuditDialog
@@ -39,11 +44,31 @@ from app.views.gauges_panel import GaugesPanel
 from app.views.privacy_panel import PrivacyPanel
 from app.views.settings_dialog import SettingsDialog
 from app.views.sidebar import Sidebar
-from app.views.theme import Theme, app_icon
-from engine.errors import VeilError
+from app.views.theme import Theme, app_icon, later
+from engine.errors import Cancelled, VeilError
 
 log = logging.getLogger("veil.app")
 RECONNECT_EVERY_MS = 5000
+WATCH_SERVER_MS = 1000
+SIDE_PANEL_PX = 330  # at 10 pt; wider (up to SIDE_PANEL_MAX_PX) for larger text, and it wraps
+SIDE_PANEL_MAX_PX = 430
+
+
+def run_modal(dlg: QDialog) -> int:
+    """``dlg.exec()``, then delete the dialog.
+
+    PySide6 hands an exec()'d dialog back to Python while Qt still lists it as a child of its
+    parent; a dialog kept alive until exit (its lambdas hold it) was then deleted twice, by its
+    parent and by PySide's exit clean-up ("shared QObject was deleted directly", then a crash).
+    """
+    try:
+        return int(dlg.exec())
+    finally:
+        dlg.deleteLater()
+
+
+def side_panel_width(font_pt: int) -> int:
+    return max(SIDE_PANEL_PX, min(SIDE_PANEL_MAX_PX, SIDE_PANEL_PX + (font_pt - 10) * 10))
 
 
 class MainWindow(QMainWindow):
@@ -81,8 +106,10 @@ class MainWindow(QMainWindow):
         scroll = QScrollArea()
         scroll.setWidget(right)
         scroll.setWidgetResizable(True)
-        scroll.setFixedWidth(330)
+        scroll.setFixedWidth(side_panel_width(app.settings.font_size))
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.side_scroll, self.side_panel = scroll, right
         row.addWidget(scroll)
         self.setCentralWidget(central)
 
@@ -102,6 +129,11 @@ class MainWindow(QMainWindow):
         self.sidebar.export_document.connect(self._export_document)
         self.privacy.details_requested.connect(self.open_audit_details)
         self.privacy.audit_requested.connect(self.run_audit)
+        self.privacy.view_changed.connect(self._privacy_changed)
+        self.chat_view.settings_requested.connect(self.open_settings)
+        app.resolved.connect(self._resolved)
+        app.chat.failed.connect(lambda _e, _t: self._soon_reconnect())
+        self._audit_task: Task | None = None
         app.chat.progress.connect(self.show_progress)
         app.drafting.progress.connect(self.show_progress)
         app.chat.busy_changed.connect(lambda _: self._idle_status())
@@ -109,6 +141,7 @@ class MainWindow(QMainWindow):
         app.config_loaded.connect(self._idle_status)
         app.load_failed.connect(self._load_failed)
         app.gauges_changed.connect(lambda _: self._idle_status())
+        app.store.failed.connect(self.show_error)  # a full or read-only disk: one line
 
         QShortcut(QKeySequence("Ctrl+N"), self, self._new)
         QShortcut(QKeySequence("Ctrl+F"), self, self._search)
@@ -117,7 +150,11 @@ class MainWindow(QMainWindow):
         self._reconnect = QTimer(self, interval=RECONNECT_EVERY_MS)
         self._reconnect.timeout.connect(self._maybe_reconnect)
         self._reconnect.start()
+        self._watch_server = QTimer(self, interval=WATCH_SERVER_MS)
+        self._watch_server.timeout.connect(self._server_notice)
+        self._watch_server.start()
         self.restore_ui()
+        self._privacy_changed(self.app.privacy_view(self.app.settings.local_layers))
 
     # --- panes and state ----------------------------------------------------------------------
 
@@ -154,67 +191,219 @@ class MainWindow(QMainWindow):
             ("Writing… (Esc to stop)  ·  " if busy else "") + self.app.connection_text()
         )
 
+    def show_error(self, err: VeilError) -> None:
+        """One error line in the banner of the pane the user is looking at."""
+        pane = self.chat_view if self.sidebar.pane == "chat" else self.drafting_pane
+        pane.error.show_error(err)
+
+    def confirm_close_unsaved(self, unsaved: dict[str, str]) -> bool:
+        """Closing would lose text that could not be saved: ask (True = close anyway)."""
+        from PySide6.QtWidgets import QMessageBox
+
+        what = ", ".join(list(unsaved)[:3]) + (" and more" if len(unsaved) > 3 else "")
+        reason = next(iter(unsaved.values()))
+        answer = QMessageBox.warning(
+            self,
+            "Your last changes are not saved",
+            f"Veil could not save {what}: {reason}.\n\nIf you close now, that text is lost. "
+            "Copy it somewhere safe first, or fix the problem and keep Veil open.",
+            QMessageBox.StandardButton.Close | QMessageBox.StandardButton.Cancel,
+            QMessageBox.StandardButton.Cancel,
+        )
+        return answer == QMessageBox.StandardButton.Close
+
     def _load_failed(self, err: VeilError) -> None:
         self._idle_status()
-        self.chat_view.error.show_error(err, "Try again", self.app.connect_now)
+        state = self.app.host.state
+        cause = problems.cause_of(err, state)
+        shown = problems.explain(err, state)
+        if cause in (problems.INVITE, problems.MODEL, problems.SETTINGS):
+            self.chat_view.error.show_error(shown, "Open Settings", self.open_settings, cause)
+        else:
+            self.chat_view.error.show_error(shown, "Try again", self.app.connect_now, cause)
+
+    def _resolved(self, cause: str) -> None:
+        """A problem is gone: take its banners away (and tell the status bar)."""
+        for banner in (self.chat_view.error, self.drafting_pane.error):
+            banner.clear(cause)
+        self._idle_status()
 
     def _maybe_reconnect(self) -> None:
         if self.app.chat.needs_reconnect() and not self.app.drafting.busy:
             self.app.chat.reconnect()
 
+    def _soon_reconnect(self) -> None:
+        """After a failed reply, try the server again at once (the built-in one restarts)."""
+        if self.app.host.state == OFFLINE:
+            later(300, self, self._maybe_reconnect)
+
+    def _server_notice(self) -> None:
+        """Tell the user while the built-in server is being restarted, and when it is back."""
+        notice = self.app.host.server_notice()
+        banner = self.chat_view.error
+        if notice == RESTARTING and (banner.isHidden() or banner.cause == "restart"):
+            banner.show_notice(
+                "The built-in server on this computer stopped",
+                "Veil is restarting it; a reply being written continues when it is back.",
+                cause="restart",
+            )
+            self._idle_status()
+            self.gauges.refresh()
+        elif notice == RESTARTED:
+            self.app.host.clear_server_notice()
+            banner.clear("restart")
+            self.gauges.refresh()
+            self.status.setText(
+                "Veil restarted the built-in server.  ·  " + self.app.connection_text()
+            )
+
+    def _privacy_changed(self, view: PrivacyView) -> None:
+        self.chat_view.set_welcome(welcome_text(view))
+
     # --- dialogs ------------------------------------------------------------------------------
 
     def open_settings(self) -> None:
         dlg = SettingsDialog(self.app.settings, self)
-        if dlg.exec() and dlg.result_settings is not None:
-            self.apply_settings(dlg.result_settings)
+        if run_modal(dlg) and dlg.result_settings is not None:
+            self.apply_settings(dlg.result_settings, reconnect=True)
 
-    def apply_settings(self, s: Settings) -> None:
+    def apply_settings(self, s: Settings, reconnect: bool = False) -> None:
+        """Apply settings (Save in the Settings dialog reconnects at once)."""
         try:
-            self.app.apply_settings(s)
+            self.app.apply_settings(s, reconnect=reconnect)
         except VeilError as exc:
-            self.chat_view.error.show_error(exc)
+            self.chat_view.error.show_error(exc, cause=problems.SETTINGS)
             return
         app = QApplication.instance()
         if isinstance(app, QApplication):
             Theme.apply(app, s.theme, s.font_size)
+        self.side_scroll.setFixedWidth(side_panel_width(s.font_size))
         self.privacy.refresh()
         self.gauges.refresh()
 
     def open_audit_details(self) -> None:
         k = self.app.settings.local_layers
-        data = audit_info.latest(self.app.model_name())
-        rows = audit_info.rows(self.app.model_name())
+        name = self.app.model_name()
+        data = audit_info.latest(name)
+        rows = audit_info.rows(name, self.app.n_layers)
         date = str(data.get("date", ""))[:10] if data else ""
-        AuditDialog(self.app.model_name(), date, rows, k, self).exec()
+        dlg = AuditDialog(
+            name,
+            date,
+            rows,
+            k,
+            self,
+            fully_local=self.app.is_fully_local(k),
+            shipped=audit_info.is_shipped(data, name),
+        )
+        run_modal(dlg)
+
+    def ask_yes(self, title: str, text: str, yes: str) -> bool:
+        """A question with a ``yes`` button and Cancel (tests replace this)."""
+        box = QMessageBox(QMessageBox.Icon.Question, title, text, parent=self)
+        go = box.addButton(yes, QMessageBox.ButtonRole.AcceptRole)
+        box.addButton(QMessageBox.StandardButton.Cancel)
+        box.setDefaultButton(go)
+        run_modal(box)
+        return box.clickedButton() is go
+
+    def audit_question(self, ks: list[int], seconds: float) -> str:
+        """What "Run privacy audit" asks before it starts."""
+        name = self.app.model_name()
+        data = audit_info.latest(name)
+        date = str(data.get("date", ""))[:10] if data else ""
+        if data is None:
+            replaces = "The results will appear beside the slider."
+        elif audit_info.is_shipped(data, name):
+            replaces = (
+                f"Its results replace the figures shown now, measured by the Veil team on {date}."
+            )
+        else:
+            replaces = f"Its results replace the figures from your audit of {date}."
+        k = self.app.settings.local_layers
+        local = (
+            f" At your current setting ({k}) nothing is sent, so it measures the settings that "
+            "use a server."
+            if self.app.is_fully_local(k)
+            else ""
+        )
+        names = [str(x) for x in ks]
+        depths = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        return (
+            "The privacy audit measures how many words someone who runs the server could "
+            f"recover from what this computer sends, at {len(ks)} settings ({depths} layers at "
+            f"each end).{local} It uses sample text that comes with Veil, not your chats or "
+            f"documents.\n\nIt takes {audit_info.human_duration(seconds)} on this computer, "
+            "which is busy meanwhile: replies wait until it ends. You can cancel it at any "
+            f"time.\n\n{replaces}"
+        )
 
     def run_audit(self) -> None:
+        """Ask first (with a time estimate), run with a Cancel button, say when it is done."""
+        if self._audit_task is not None:  # the button reads "Cancel audit"
+            self._audit_task.cancel.cancel()
+            self.privacy.run_button.setEnabled(False)
+            self.privacy.set_audit_status("Cancelling the audit…")
+            return
         if not audit_info.audit_runner_available():
             self.chat_view.error.show_error(
-                VeilError("the privacy audit is not part of this installation")
+                VeilError("the privacy audit is not part of this installation"),
+                cause=problems.AUDIT,
             )
             return
         n = self.app.n_layers
         if n is None:
             return
         ks = audit_info.audit_depths(n, self.app.settings.local_layers)
+        if not ks:
+            self.chat_view.error.show_error(
+                VeilError(f"this model has too few layers ({n}) to split, so nothing to audit"),
+                cause=problems.AUDIT,
+            )
+            return
+        name = self.app.model_name()
+        last = self.app.store.get(f"audit.last:{name}")
+        last_t = (float(last[0]), [int(x) for x in last[1]]) if last else None
+        est = audit_info.estimate_seconds(ks, self.app.model_params(), last_t)
+        if not self.ask_yes("Run the privacy audit?", self.audit_question(ks, est), "Run audit"):
+            return
         model = self.app.settings.model
-        self.privacy.run_button.setEnabled(False)
+        t0 = time.monotonic()
 
         def work(ctx: TaskContext) -> object:
             return audit_info.run_blocking(model, ks, ctx.progress, lambda: ctx.cancel.cancelled)
 
-        def done(_: object) -> None:
+        def end(status: str, color: str) -> None:
+            self._audit_task = None
+            self.privacy.run_button.setText("Run privacy audit…")
             self.privacy.run_button.setEnabled(True)
+            self.privacy.set_audit_status(status, color)
             self.privacy.refresh()
             self._idle_status()
 
+        def done(_: object) -> None:
+            took = time.monotonic() - t0
+            self.app.store.set(f"audit.last:{name}", [round(took, 1), ks])
+            self.app.resolved.emit(problems.AUDIT)
+            end(
+                f"Audit finished in {audit_info.elapsed_text(took)}. The figures above now come "
+                "from it.",
+                "ok",
+            )
+
         def failed(err: VeilError) -> None:
-            done(None)
-            self.chat_view.error.show_error(err)
+            if isinstance(err, Cancelled):
+                end("Audit cancelled; the figures above are unchanged.", "muted")
+                return
+            end("The audit did not finish; the figures above are unchanged.", "bad")
+            self.chat_view.error.show_error(err, cause=problems.AUDIT)
 
         task = Task("audit", work, on_done=done, on_error=failed, on_progress=self.show_progress)
         self._audit_task = task
+        self.privacy.run_button.setText("Cancel audit")
+        self.privacy.set_audit_status(
+            f"Running the privacy audit ({audit_info.human_duration(est)})…"
+        )
         self.app.executor.submit(task)
 
     def _export_chat(self, conv_id: int) -> None:
@@ -247,14 +436,21 @@ class MainWindow(QMainWindow):
         self.save_ui()
         self.drafting_pane.save_now()
         self.chat_view.save_draft_now()
+        unsaved = dict(self.app.store.unsaved)
+        if unsaved and not self.confirm_close_unsaved(unsaved):
+            e.ignore()  # keep the window (and the text in it) open
+            return
         self._reconnect.stop()
+        self._watch_server.stop()
         self._stop()
-        task = getattr(self, "_audit_task", None)
-        if task is not None:
-            task.cancel.cancel()
+        if self._audit_task is not None:
+            self._audit_task.cancel.cancel()
         shutdown = getattr(self.executor, "shutdown", None)
         if callable(shutdown):
             shutdown()
+        # the stopped reply's last text and its end arrive as queued calls: handle them while
+        # the database is still open, so a partial reply is saved (marked "Stopped")
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.MetaCall)
         self.app.close()
         super().closeEvent(e)
 
@@ -274,7 +470,7 @@ def create(args: argparse.Namespace, data_dir: str | None) -> tuple[AppControlle
     """The controller, worker and window (the QApplication must exist)."""
     from app.worker import QtExecutor
 
-    executor = QtExecutor()
+    executor = QtExecutor()  # its thread starts with the first task (after start-up)
     app = AppController(executor, data_dir)
     if args.model:
         app.settings.model = args.model
@@ -286,6 +482,31 @@ def create(args: argparse.Namespace, data_dir: str | None) -> tuple[AppControlle
     Theme.apply(qapp, app.settings.theme, app.settings.font_size)
     window = MainWindow(app, executor)
     return app, window
+
+
+def _startup_failed(exc: VeilError) -> int:
+    """One message (stderr, and a dialog on a real display) and a clean exit."""
+    print(f"veil: error: {exc}", file=sys.stderr)
+    if QApplication.platformName() not in ("offscreen", "minimal"):
+        from PySide6.QtWidgets import QMessageBox
+
+        QMessageBox.critical(None, "Veil cannot start", str(exc))
+    return 2
+
+
+def _show_veil_errors_in(window: MainWindow) -> None:
+    """A VeilError that escapes a button's handler (say, a delete on a damaged database)
+    becomes the error banner, not a traceback on stderr."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: object) -> None:
+        if isinstance(exc, VeilError):
+            log.warning("%s", exc)
+            window.show_error(exc)
+        else:
+            previous(kind, exc, tb)  # type: ignore[arg-type]
+
+    sys.excepthook = hook
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -302,18 +523,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         app, window = create(args, args.data_dir)
     except VeilError as exc:
-        print(f"veil: error: {exc}", file=sys.stderr)
-        return 2
+        return _startup_failed(exc)
+    _show_veil_errors_in(window)
     if not app.settings.first_run_done:
         dlg = FirstRunDialog(window)
-        if not dlg.exec():
+        if not run_modal(dlg):
             window.close()
+            _dispose(window)
             return 0
         try:
             app.choose_demo() if dlg.choice == DEMO else app.choose_server(dlg.invite)
         except VeilError as exc:
-            window.chat_view.error.show_error(exc)
+            window.chat_view.error.show_error(exc, cause=problems.SETTINGS)
     window.show()
     app.load_config()
     app.connect_now()
-    return int(qapp.exec())
+    rc = int(qapp.exec())
+    _dispose(window)
+    return rc
+
+
+def _dispose(window: QWidget) -> None:
+    """Delete the window (and every dialog under it) while Qt is still running, so nothing is
+    left for PySide's clean-up at interpreter exit to delete a second time."""
+    window.deleteLater()
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)

@@ -11,6 +11,7 @@ Dialogs are drawn over the dimmed main window, as a user sees them.
 from __future__ import annotations
 
 import argparse
+import copy
 import shutil
 import sys
 import tempfile
@@ -19,7 +20,7 @@ from typing import Any
 
 from PySide6.QtCore import QEventLoop, QPoint, QTimer
 from PySide6.QtGui import QColor, QPainter, QPixmap, QTextCursor
-from PySide6.QtWidgets import QApplication, QWidget
+from PySide6.QtWidgets import QApplication, QMessageBox, QWidget
 
 from app.core.engine_host import DemoServerSource
 from app.core.settings import MODE_DEMO
@@ -123,29 +124,73 @@ def capture(theme: str, data: Path, out: Path, args: argparse.Namespace) -> None
     save(w, out / f"first-run-{theme}.png", FirstRunDialog(w))
     from app.core import audit_info
 
-    rows = audit_info.rows(app.model_name())
+    rows = audit_info.rows(app.model_name(), app.n_layers)
     data_ = audit_info.latest(app.model_name()) or {}
     k = app.settings.local_layers
-    dlg = AuditDialog(app.model_name(), str(data_.get("date", ""))[:10], rows, k, w)
+    shipped = audit_info.is_shipped(data_, app.model_name())
+    dlg = AuditDialog(
+        app.model_name(), str(data_.get("date", ""))[:10], rows, k, w, shipped=shipped
+    )
     save(w, out / f"audit-{theme}.png", dlg)
+    n = app.n_layers or 2
+    ks = audit_info.audit_depths(n, k)
+    question = w.audit_question(ks, audit_info.estimate_seconds(ks, app.model_params()))
+    box = QMessageBox(QMessageBox.Icon.Question, "Run the privacy audit?", question, parent=w)
+    box.addButton("Run audit", QMessageBox.ButtonRole.AcceptRole)
+    box.addButton(QMessageBox.StandardButton.Cancel)
+    save(w, out / f"audit-question-{theme}.png", box)
 
-    # the server goes away: a clear error, the text stays in the message box
+    # a damaged invite code: one clear line under the field, and Save refuses it
+    sd = SettingsDialog(app.settings, w)
+    sd.server_radio.setChecked(True)
+    sd.invite.setText("veil1:abc")
+    save(w, out / f"settings-invite-{theme}.png", sd)
+
+    # the built-in server stops: Veil says so and restarts it (the notice goes when it is back)
     source = app.host.source
     if isinstance(source, DemoServerSource) and source.server is not None:
-        source.connect_opts.update(timeout_s=1.0, reconnect_s=2.0)
-        app.host.shutdown_blocking()  # reconnect with the short timeouts
-        w._reconnect.stop()
-        app.connect_now()
-        wait(lambda: app.host.state == "Connected")
-        assert app.host.source is not None
-        server = app.host.source.server  # type: ignore[attr-defined]
-        server.kill()
-        w.chat_view.composer.setPlainText("Can you summarise our leave policy in 3 bullet points?")
-        w.chat_view.send_or_stop()
-        wait(lambda: w.chat_view.error.isVisible())
+        source.server.kill()
+        wait(lambda: w.chat_view.error.cause == "restart", 60)
         w.gauges.refresh()
-        save(w, out / f"chat-error-{theme}.png")
+        save(w, out / f"chat-restart-{theme}.png")
+        wait(lambda: w.chat_view.error.isHidden(), 300)
+
+    side_panels(w, app, out, theme, args.all_positions)
     w.close()
+
+
+def side_panels(w: Any, app: Any, out: Path, theme: str, every: Path | None) -> None:
+    """The side panel at 13 pt text: a sheet of a few slider positions for the docs, and with
+    ``every`` one image per position there (to look at all of them)."""
+    s = copy.copy(app.settings)
+    s.font_size = 13
+    w.apply_settings(s)
+    settle(600)
+    top = w.privacy.slider.maximum()
+    keep = sorted({1, 2, max(1, top // 2), top})
+    shots: list[QPixmap] = []
+    for k in range(1, top + 1):
+        w.privacy.slider.setValue(k)
+        w.gauges.refresh()
+        settle(150)
+        shot = w.side_scroll.grab()
+        if every is not None:
+            every.mkdir(parents=True, exist_ok=True)
+            shot.save(str(every / f"side-panel-13pt-{theme}-k{k:02d}.png"))
+        if k in keep:
+            shots.append(shot)
+    sheet = QPixmap(sum(p.width() for p in shots) + 12 * (len(shots) - 1), shots[0].height())
+    sheet.fill(QColor(0, 0, 0, 0))
+    p = QPainter(sheet)
+    x = 0
+    for shot in shots:
+        p.drawPixmap(x, 0, shot)
+        x += shot.width() + 12
+    p.end()
+    sheet.save(str(out / f"side-panel-13pt-{theme}.png"))
+    print(f"screenshots: {out / f'side-panel-13pt-{theme}.png'} (k = {keep})")
+    s.font_size = 10
+    w.apply_settings(s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--audit-from", type=Path, default=None, help="a stored audit results.json")
+    p.add_argument(
+        "--all-positions",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also save the side panel at every slider position in DIR",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     QApplication.instance() or QApplication(["veil"])

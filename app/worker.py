@@ -62,16 +62,21 @@ class QtExecutor(QObject):
         self.pending = 0
         self.history: list[str] = []
         self._thread = _Thread(self)
+        self._started = False
         self._text.connect(lambda t, d: t.on_text(d))
         self._progress.connect(lambda t, s, f: t.on_progress(s, f))
         self._report.connect(lambda t, v: t.on_report(v))
         self._done.connect(self._on_done)
         self._failed.connect(self._on_failed)
-        self._thread.start()
+        # The thread starts with the first task, so an app that fails while starting up (say,
+        # a damaged database) exits cleanly instead of destroying a running QThread.
 
     def submit(self, task: Task) -> None:
         self.pending += 1
         self.history.append(task.name)
+        if not self._started:
+            self._started = True
+            self._thread.start()
         self._thread.tasks.put(task)
 
     def _finish(self) -> None:
@@ -93,5 +98,7 @@ class QtExecutor(QObject):
 
     def shutdown(self, timeout_ms: int = 30000) -> bool:
         """Let the running task end (its cancel token should be set) and stop the thread."""
+        if not self._started:
+            return True
         self._thread.tasks.put(None)
         return bool(self._thread.wait(timeout_ms))

@@ -47,6 +47,7 @@ class GenerationStats:
     round_trips: int = 0  # trunk calls (model calls when fully local), prefill included
     tree_nodes_sent: int = 0
     accepted_hist: dict[int, int] = field(default_factory=dict)
+    draft_s: float = 0.0  # time spent drafting (proposing trees and learning from rounds)
 
     @property
     def decode_tok_s(self) -> float:
@@ -58,10 +59,17 @@ class GenerationStats:
     def tokens_per_round_trip(self) -> float:
         return self.new_tokens / self.round_trips if self.round_trips else 0.0
 
+    @property
+    def draft_ms_per_round(self) -> float:
+        """Drafting time per decode round trip (the prompt's included in the first)."""
+        rounds = self.round_trips - 1
+        return 1000 * self.draft_s / rounds if rounds > 0 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["decode_tok_s"] = self.decode_tok_s
         d["tokens_per_round_trip"] = self.tokens_per_round_trip
+        d["draft_ms_per_round"] = self.draft_ms_per_round
         d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
         return d
 

@@ -1,5 +1,5 @@
 """CurveZMQ keys on the client: this computer's keypair and each saved server's public key,
-kept in the OS keyring (``keyring``) — never in plain files unless the user opts in.
+kept in the OS keyring (``keyring``) unless the user opts in to one of the stores below.
 
 Backends, chosen by the environment variable ``VEIL_KEYRING``:
 
@@ -10,11 +10,14 @@ Backends, chosen by the environment variable ``VEIL_KEYRING``:
 * ``VEIL_KEYRING=file`` — keyrings.alt's plaintext file (``keyring_pass.cfg`` in the user data
   dir, mode 0600). Not encrypted: only for machines where the disk itself is protected.
 * ``VEIL_KEYRING=encrypted`` — keyrings.alt's encrypted file; asks for a password on the
-  terminal (needs ``pycryptodome``).
+  terminal. Needs ``pycryptodome`` (``pip install 'veil[encrypted-keys]'``); without it every
+  call says so in one line.
 * ``VEIL_KEYRING=memory`` — an in-process store that forgets everything at exit (tests, demos).
 
-Command line: ``python -m engine.keys show`` prints this computer's public key (creating the
-keypair on first use) — the line a server admin passes to ``veil-trunk allow``.
+Command line: ``python -m engine.keys show`` (or ``veil --client-key``) prints this computer's
+public key (creating the keypair on first use) — the line a server admin passes to
+``veil-trunk allow``. :func:`storage_description` says, for the store in use, where the keys
+really are (the settings dialog shows it).
 """
 
 from __future__ import annotations
@@ -35,6 +38,25 @@ FALLBACK_HINT = (
     "private file (not encrypted), VEIL_KEYRING=encrypted for a password-protected file, or "
     "VEIL_KEYRING=memory to forget them at exit"
 )
+
+
+ENCRYPTED_NEEDS = (
+    "VEIL_KEYRING=encrypted needs the pycryptodome package, which is not installed "
+    "(pip install 'veil[encrypted-keys]' or pip install pycryptodome)"
+)
+
+
+def _has_crypto() -> bool:
+    """Can keyrings.alt's encrypted file work here (pycryptodome or pycryptodomex)?"""
+    import importlib
+
+    for name in ("Cryptodome.Cipher.AES", "Crypto.Cipher.AES"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+        return True
+    return False
 
 
 def _memory_backend() -> Any:
@@ -78,6 +100,10 @@ def backend() -> Any:
 
         be = PlaintextKeyring()
     elif kind == "encrypted":
+        if not _has_crypto():
+            raise KeyStoreError(
+                ENCRYPTED_NEEDS, hint="or choose VEIL_KEYRING=file or memory, or an OS keyring"
+            )
         from keyrings.alt.file import EncryptedKeyring
 
         be = EncryptedKeyring()
@@ -141,14 +167,44 @@ def client_keypair(create: bool = True) -> tuple[str, str]:
 
 
 def save_server_key(address: str, public_key: str) -> None:
-    if len(public_key) != 40:
-        raise KeyStoreError("a server public key is 40 characters (z85)")
+    from engine.protocol import curve_key_problem
+
+    problem = curve_key_problem(public_key)
+    if problem is not None:
+        raise KeyStoreError(f"not a server public key: {problem}")
     _set(SERVER_PREFIX + address, public_key)
 
 
 def server_key(address: str) -> str | None:
     """The saved public key of the server at ``address`` (None when unknown)."""
     return _get(SERVER_PREFIX + address)
+
+
+def storage_description() -> str:
+    """Where this computer's keys are kept, true for the store in use (one or two sentences)."""
+    kind = os.environ.get("VEIL_KEYRING", "").strip().lower() or "os"
+    if kind == "memory":
+        return "Keys are kept in memory only (VEIL_KEYRING=memory) and forgotten when Veil exits."
+    if kind == "file":
+        try:
+            where = str(backend().file_path)
+        except Exception:
+            where = "a file in your user data folder"
+        return (
+            f"Keys are kept in a plain, unencrypted file readable by your user account "
+            f"(VEIL_KEYRING=file): {where}."
+        )
+    if kind == "encrypted":
+        return (
+            "Keys are kept in a password-protected file (VEIL_KEYRING=encrypted); Veil asks "
+            "for the password on the terminal."
+        )
+    if kind != "os":
+        return f"VEIL_KEYRING={kind} is not a known key store; keys cannot be kept."
+    # (the OS keyring is not probed here: that may ask the desktop for it)
+    name = type(_backend).__name__ if _backend is not None and _backend_kind == "os" else ""
+    where = f"the system keyring ({name})" if name else "the system keyring"
+    return f"Keys are kept in {where}, not in a plain file."
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,11 @@ A *spec* names a model:
 * a ``.gguf`` file;
 * a Hugging Face repo id that is already in the local HF cache (Veil never downloads).
 
-Every spec resolves to a folder in Hugging Face layout. GGUF files are de-quantized once and
-cached as safetensors under the user cache dir, keyed by the file's hash.
+Every spec resolves to a folder in Hugging Face layout. For a GGUF file that folder (made once,
+under the user cache dir, keyed by the file's hash) holds the config and tokenizer only; the
+weights stay in the GGUF file, read from it by :class:`WeightReader` (dequantized, for float
+readers) or kept quantized (:mod:`engine.quant.load`). Folders converted by earlier versions,
+with the weights dequantized into ``model.safetensors``, keep working.
 """
 
 from __future__ import annotations
@@ -162,7 +165,9 @@ def gguf_folder(path: Path, progress: Progress | None = None) -> Path:
         raise ModelLoadError(f"cannot read GGUF file {path}: it is not a GGUF file (bad header)")
     digest = file_digest(path, progress)
     folder = cache_root() / "models" / digest[:24]
-    if (folder / "veil-converted.json").is_file():
+    marker = folder / "veil-converted.json"
+    if marker.is_file():
+        _note_source(marker, path)
         return folder
     progress("converting model (one-time)", 0.0)
     t0 = time.perf_counter()
@@ -170,9 +175,8 @@ def gguf_folder(path: Path, progress: Progress | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
     try:
         _convert_gguf(path, tmp, progress)
-        (tmp / "veil-converted.json").write_text(
-            json.dumps({"source": str(path), "sha256": digest, "seconds": time.perf_counter() - t0})
-        )
+        meta = {"source": str(path), "sha256": digest, "seconds": time.perf_counter() - t0}
+        (tmp / "veil-converted.json").write_text(json.dumps({**meta, "weights": "gguf"}))
         if folder.exists():
             shutil.rmtree(folder, ignore_errors=True)
         tmp.replace(folder)
@@ -184,37 +188,48 @@ def gguf_folder(path: Path, progress: Progress | None = None) -> Path:
     return folder
 
 
+def _note_source(marker: Path, path: Path) -> None:
+    """Record where the GGUF is now (a copy in another environment has the same hash): the
+    folder's weights are read from it."""
+    try:
+        meta = json.loads(marker.read_text())
+        if meta.get("source") != str(path.resolve()):
+            meta["source"] = str(path.resolve())
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(json.dumps(meta))
+            tmp.replace(marker)
+    except (OSError, ValueError):
+        log.warning("could not update %s", marker)
+
+
 def _convert_gguf(path: Path, out: Path, progress: Progress) -> None:
+    """Config, tokenizer and generation config of a GGUF file, from its metadata alone (no
+    tensor is read: an 8B file converts in seconds and takes no disk space)."""
     import transformers
-    from safetensors.torch import save_file
 
     d, f = str(path.parent), path.name
     try:
         transformers.logging.set_verbosity_error()
         hf_config = transformers.AutoConfig.from_pretrained(d, gguf_file=f)
         ModelConfig.from_hf(hf_config)  # refuse unsupported families before the slow part
-        progress("converting model (one-time)", 0.1)
-        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
         progress("converting model (one-time)", 0.2)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            d, gguf_file=f, dtype=torch.float32
-        )
-    except UnsupportedArchitecture:
+        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+        progress("converting model (one-time)", 0.8)
+        from engine.quant.gguf import GGUFFile
+
+        GGUFFile(path).close()  # the tensor directory must be readable too
+    except (UnsupportedArchitecture, ModelLoadError):
         raise
     except Exception as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         msg = msg.replace(str(path), "the file")
         raise ModelLoadError(f"cannot read GGUF file {path}: {msg[:200]}") from exc
-    progress("converting model (one-time)", 0.8)
-    sd = model.state_dict()
-    if hf_config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
     hf_config.save_pretrained(str(out))
     tok.save_pretrained(str(out))
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        gen.save_pretrained(str(out))
+    try:
+        transformers.GenerationConfig.from_model_config(hf_config).save_pretrained(str(out))
+    except Exception:  # no generation defaults in the metadata: the model's EOS is enough
+        log.info("no generation config for %s", path)
 
 
 class WeightReader:
@@ -228,6 +243,7 @@ class WeightReader:
         self.folder = folder
         index = folder / "model.safetensors.index.json"
         self._where: dict[str, Path] = {}
+        self.gguf: Any = None  # engine.quant.load.GGUFWeights for a GGUF's folder
         if index.is_file():
             try:
                 wm = json.loads(index.read_text())["weight_map"]
@@ -236,6 +252,9 @@ class WeightReader:
             self._where = {k: folder / v for k, v in wm.items()}
         else:
             files = sorted(folder.glob("*.safetensors"))
+            self.gguf = None if files else _gguf_weights(folder)
+            if self.gguf is not None:  # a GGUF's folder: the weights are in the file
+                return
             if not files:
                 raise ModelLoadError(f"no .safetensors weights in {folder}")
             from safetensors import safe_open
@@ -249,10 +268,30 @@ class WeightReader:
                     raise ModelLoadError(f"cannot read {fp}: {exc}") from exc
 
     def names(self) -> list[str]:
+        if self.gguf is not None:
+            return list(self.gguf.names())
         return list(self._where)
 
     def has(self, name: str) -> bool:
+        if self.gguf is not None:
+            return bool(self.gguf.has(name))
         return name in self._where
+
+    def edge_rows(self, name: str) -> tuple[tuple[int, ...], list[torch.Tensor]]:
+        """(shape, [first row, last row]) of a tensor, float32, read without the rest."""
+        if self.gguf is not None:
+            return self.gguf.edge_rows(name)  # type: ignore[no-any-return]
+        from safetensors import safe_open
+
+        if name not in self._where:
+            raise ModelLoadError(f"checkpoint in {self.folder} lacks tensor {name}")
+        with safe_open(str(self._where[name]), framework="pt") as sf:
+            sl = sf.get_slice(name)
+            shape = tuple(sl.get_shape())
+            if not shape or shape[0] == 0:
+                return shape, []
+            rows = [sl[0:1], sl[shape[0] - 1 : shape[0]]]
+            return shape, [r.to(torch.float32).contiguous() for r in rows]
 
     def read(
         self,
@@ -263,6 +302,8 @@ class WeightReader:
         from safetensors import safe_open
 
         wanted = list(names)
+        if self.gguf is not None:
+            return dict(self.gguf.read(wanted, dtype, device))
         missing = [n for n in wanted if n not in self._where]
         if missing:
             raise ModelLoadError(
@@ -338,24 +379,43 @@ def load_tokenizer(folder: Path) -> Any:
         raise ModelLoadError(f"cannot load the tokenizer in {folder}: {exc}") from exc
 
 
-def weights_fingerprint(reader: WeightReader, names: Iterable[str]) -> str:
+def weights_fingerprint(reader: Any, names: Iterable[str]) -> str:
     """Content hash of a set of checkpoint tensors that reads only a sliver of each.
 
-    Hashes every tensor's name, shape and its first and last rows (via safetensors slices), so
-    client and server agree on the trunk weights without either reading them whole.
+    Hashes every tensor's name, shape and its first and last rows (float32), so client and
+    server agree on the trunk weights without either reading them whole — and a GGUF's folder
+    and an older full conversion of the same file give the same hash.
     """
-    from safetensors import safe_open
-
+    edges = reader if hasattr(reader, "edge_rows") else getattr(reader, "base", None)
+    if edges is None or not hasattr(edges, "edge_rows"):
+        raise ModelLoadError("this checkpoint reader cannot fingerprint its weights")
     h = hashlib.sha256()
     for n in sorted(names):
-        if n not in reader._where:
-            raise ModelLoadError(f"checkpoint in {reader.folder} lacks tensor {n}")
-        with safe_open(str(reader._where[n]), framework="pt") as sf:
-            sl = sf.get_slice(n)
-            shape = tuple(sl.get_shape())
-            h.update(n.encode())
-            h.update(str(shape).encode())
-            if shape and shape[0] > 0:
-                for row in (sl[0:1], sl[shape[0] - 1 : shape[0]]):
-                    h.update(row.to(torch.float32).contiguous().numpy().tobytes())
+        if not edges.has(n):
+            raise ModelLoadError(f"checkpoint in {edges.folder} lacks tensor {n}")
+        shape, rows = edges.edge_rows(n)
+        h.update(n.encode())
+        h.update(str(tuple(shape)).encode())
+        for row in rows:
+            h.update(row.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _gguf_weights(folder: Path) -> Any:
+    """The GGUF-backed reader of a GGUF's folder (None for other folders)."""
+    marker = folder / "veil-converted.json"
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if meta.get("weights") != "gguf":
+        return None
+    src = Path(str(meta.get("source", "")))
+    if not src.is_file():
+        raise ModelLoadError(
+            f"the GGUF file behind {folder} is gone ({src})",
+            hint="open the model by its .gguf path again",
+        )
+    from engine.quant.load import GGUFWeights
+
+    return GGUFWeights(src, load_config(folder), keep_quantized=False)

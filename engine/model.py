@@ -15,14 +15,22 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.config import ModelConfig
 from engine.kernels import linear
+from engine.quant import QuantWeight, fuse, weight_bytes
+
+# A matrix [out, in]: a float tensor, a QuantWeight or a Stacked of them. Typed Any so code
+# written for float tensors (the privacy audit, which always loads float weights) type-checks.
+Weight = Any
 
 LAYER_TENSORS = (
     "input_layernorm.weight",
@@ -192,28 +200,34 @@ def block_mask(
     cache_pos: torch.Tensor,
     start: int,
     window: int | None,
+    first: int = 0,
 ) -> torch.Tensor | None:
-    """Boolean attention mask [B, T] (True = attend) for a block appended at slot ``start``.
+    """Boolean attention mask [B, T] (True = attend) for rows ``first .. first + B`` of a block
+    appended at slot ``start`` (``first = 0``: the whole block; more: a chunk of a long one).
 
-    ``cache_pos`` holds the positions of all T live slots (block included). Returns None when
-    every query may see every key (a single token with no window), so SDPA takes its fast path.
+    ``cache_pos`` holds the positions of the T slots the rows may see (the cache up to the last
+    row, block included); ``parents`` are the whole block's. Returns None when every row may see
+    every key (one row with no window that sees all earlier rows), so SDPA takes its fast path.
     """
     n = positions.shape[0]
     total = cache_pos.shape[0]
-    if n == 1 and window is None:
+    chain = parents is None or all(p == i - 1 for i, p in enumerate(parents))
+    if n == 1 and window is None and (chain or first == 0):
         return None
     dev = positions.device
     mask = torch.ones(n, total, dtype=torch.bool, device=dev)
-    if parents is None or all(p == i - 1 for i, p in enumerate(parents)):
-        block = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()  # chain: causal
+    if chain:
+        # causal; earlier chunks of the block are all ancestors, like the cached prefix
+        block = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+        mask[:, start + first :] = block
     else:
-        anc = torch.zeros(n, n, dtype=torch.bool)
-        for i, p in enumerate(parents):
+        assert parents is not None
+        anc = torch.zeros(first + n, first + n, dtype=torch.bool)
+        for i, p in enumerate(parents[: first + n]):
             if p >= 0:
                 anc[i] = anc[p]
             anc[i, i] = True
-        block = anc.to(dev)
-    mask[:, start:] = block
+        mask[:, start:] = anc[first:].to(dev)
     if window is not None:
         mask &= (positions[:, None] - cache_pos[None, :]) < window
     return mask
@@ -222,47 +236,149 @@ def block_mask(
 @dataclass
 class LayerWeights:
     """One decoder layer's weights in checkpoint layout ([out, in]), fused (q|k|v, gate|up) so a
-    block needs three projections and one output projection. Small blocks go through
-    :func:`engine.kernels.linear`, which streams each weight row once for all the block's rows."""
+    block needs three projections and one output projection. Every product goes through
+    :func:`engine.kernels.linear`, which streams each weight row once for all the block's rows;
+    the matrices may be float tensors or quantized rows (:class:`engine.quant.QuantWeight`)."""
 
     ln1: torch.Tensor  # [H]
-    wqkv: torch.Tensor  # [(nh + 2 nkv) hd, H]
-    wo: torch.Tensor  # [H, nh hd]
+    wqkv: Weight  # [(nh + 2 nkv) hd, H]
+    wo: Weight  # [H, nh hd]
     ln2: torch.Tensor  # [H]
-    wgu: torch.Tensor  # [2 I, H]
-    wdown: torch.Tensor  # [H, I]
+    wgu: Weight  # [2 I, H]
+    wdown: Weight  # [H, I]
     bqkv: torch.Tensor | None = None  # [(nh + 2 nkv) hd]
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], index: int) -> LayerWeights:
+    def from_tensors(
+        cls, tensors: Mapping[str, torch.Tensor | QuantWeight], index: int
+    ) -> LayerWeights:
         """Pick layer ``index`` out of a name -> tensor map with checkpoint names."""
         p = f"model.layers.{index}."
         t = {k[len(p) :]: v for k, v in tensors.items() if k.startswith(p)}
-        qkv = torch.cat(
+        qkv = fuse(
             [
                 t["self_attn.q_proj.weight"],
                 t["self_attn.k_proj.weight"],
                 t["self_attn.v_proj.weight"],
             ]
         )  # [(nh + 2 nkv) hd, H]
-        gu = torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])  # [2 I, H]
+        gu = fuse([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])  # [2 I, H]
         bias = None
         if "self_attn.q_proj.bias" in t:
             bias = torch.cat(
-                [t["self_attn.q_proj.bias"], t["self_attn.k_proj.bias"], t["self_attn.v_proj.bias"]]
-            )
+                [_vector(t[f"self_attn.{n}_proj.bias"]) for n in "qkv"]
+            )  # [(nh + 2 nkv) hd]
+        wo, wdown = t["self_attn.o_proj.weight"], t["mlp.down_proj.weight"]
         return cls(
-            ln1=t["input_layernorm.weight"],
-            wqkv=qkv.contiguous(),
-            wo=t["self_attn.o_proj.weight"].contiguous(),
-            ln2=t["post_attention_layernorm.weight"],
-            wgu=gu.contiguous(),
-            wdown=t["mlp.down_proj.weight"].contiguous(),
+            ln1=_vector(t["input_layernorm.weight"]),
+            wqkv=qkv,
+            wo=wo.contiguous() if isinstance(wo, torch.Tensor) else wo,
+            ln2=_vector(t["post_attention_layernorm.weight"]),
+            wgu=gu,
+            wdown=wdown.contiguous() if isinstance(wdown, torch.Tensor) else wdown,
             bqkv=bias,
         )
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
+        return sum(weight_bytes(t) for t in vars(self).values() if t is not None)
+
+
+def fused_args(w: LayerWeights, cfg: ModelConfig) -> tuple[Any, ...] | None:
+    """Arguments of the one-call quantized layer (engine.kernels.fused_layer), or None when a
+    matrix is not a single quantized format (float, or a Stacked of several formats)."""
+    mats = (w.wqkv, w.wo, w.wgu, w.wdown)
+    if not all(isinstance(m, QuantWeight) for m in mats):
+        return None
+    from engine.kernels._ir import CODES
+
+    def vec(t: torch.Tensor) -> np.ndarray:
+        return t.detach().to(torch.float32).contiguous().numpy()
+
+    bias = vec(w.bqkv) if w.bqkv is not None else np.empty(0, dtype=np.float32)
+    dims = np.array([cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size])
+    fmts = tuple(CODES[m.fmt] for m in mats)  # the compiled layer is chosen by these
+    scales = tuple(m.scale for m in mats)
+    ln1, ln2 = vec(w.ln1), vec(w.ln2)
+    return (
+        ln1,
+        mats[0].data,
+        bias,
+        mats[1].data,
+        ln2,
+        mats[2].data,
+        mats[3].data,
+        fmts,
+        scales,
+        dims,
+    )
+
+
+def _vector(t: torch.Tensor | QuantWeight) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("norm weights and biases must be float tensors")
+    return t
+
+
+def qkv_heads(
+    x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, *, invariant: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm and the fused q|k|v projection of a block's rows, split into heads (no rope).
+
+    ``invariant``: use the batch-invariant kernel for every row count (the batching worker)."""
+    n = x.shape[0]
+    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = rms_norm(x, w.ln1, cfg.rms_eps)  # [B, H]
+    qkv = linear(h, w.wqkv, invariant=invariant)  # [B, (nh + 2 nkv) hd]
+    if w.bqkv is not None:
+        qkv = qkv + w.bqkv
+    q = qkv[:, : nh * hd].view(n, nh, hd).transpose(0, 1)  # [nh, B, hd]
+    k = qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd).transpose(0, 1)  # [nkv, B, hd]
+    v = qkv[:, (nh + nkv) * hd :].view(n, nkv, hd).transpose(0, 1)  # [nkv, B, hd]
+    return q, k, v
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    start: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """One session's attention: writes the rows' K/V (rope applied) into cache slots
+    [start, start + B) of ``layer`` and attends to slots [0, start + B) under ``mask``.
+
+    q: [nh, B, hd]; k, v: [nkv, B, hd] -> [B, nh hd]."""
+    nh, n, hd = q.shape
+    end = start + n
+    cache.k[layer, :, start:end] = k
+    cache.v[layer, :, start:end] = v
+    keys = cache.k[layer, :, :end]  # [nkv, T, hd]
+    vals = cache.v[layer, :, :end]  # [nkv, T, hd]
+    att = F.scaled_dot_product_attention(
+        q.unsqueeze(0),
+        keys.unsqueeze(0),
+        vals.unsqueeze(0),
+        attn_mask=mask,
+        enable_gqa=nh != keys.shape[0],
+    )  # [1, nh, B, hd]
+    return att[0].transpose(0, 1).reshape(n, nh * hd)  # [B, nh hd]
+
+
+def out_and_mlp(
+    x: torch.Tensor,
+    att: torch.Tensor,
+    w: LayerWeights,
+    cfg: ModelConfig,
+    *,
+    invariant: bool = False,
+) -> torch.Tensor:
+    """Output projection, residual, post-attention norm and SwiGLU MLP: [B, H] -> [B, H]."""
+    x = x + linear(att, w.wo, invariant=invariant)  # [B, H]
+    h = rms_norm(x, w.ln2, cfg.rms_eps)
+    gate, up = linear(h, w.wgu, invariant=invariant).chunk(2, dim=-1)  # [B, I] each
+    return x + linear(F.silu(gate) * up, w.wdown, invariant=invariant)  # [B, H]
 
 
 def decoder_layer(
@@ -276,31 +392,13 @@ def decoder_layer(
     start: int,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One pre-norm decoder layer on a block; writes the block's K/V into ``cache``."""
-    n = x.shape[0]
-    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    h = rms_norm(x, w.ln1, cfg.rms_eps)  # [B, H]
-    qkv = linear(h, w.wqkv)  # [B, (nh + 2 nkv) hd]
-    if w.bqkv is not None:
-        qkv = qkv + w.bqkv
-    q = qkv[:, : nh * hd].view(n, nh, hd).transpose(0, 1)  # [nh, B, hd]
-    k = qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd).transpose(0, 1)  # [nkv, B, hd]
-    v = qkv[:, (nh + nkv) * hd :].view(n, nkv, hd).transpose(0, 1)  # [nkv, B, hd]
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
-    end = start + n
-    cache.k[layer, :, start:end] = k
-    cache.v[layer, :, start:end] = v
-    keys = cache.k[layer, :, :end]  # [nkv, T, hd]
-    vals = cache.v[layer, :, :end]  # [nkv, T, hd]
-    att = F.scaled_dot_product_attention(
-        q.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask, enable_gqa=nh != nkv
-    )  # [1, nh, B, hd]
-    att = att[0].transpose(0, 1).reshape(n, nh * hd)  # [B, nh hd]
-    x = x + linear(att, w.wo)  # [B, H]
-    h = rms_norm(x, w.ln2, cfg.rms_eps)
-    gate, up = linear(h, w.wgu).chunk(2, dim=-1)  # [B, I] each
-    return x + linear(F.silu(gate) * up, w.wdown)  # [B, H]
+    """One pre-norm decoder layer on a block; writes the block's K/V into ``cache``.
+
+    (The batching worker runs the same three pieces with the projections over many sessions'
+    rows at once: :mod:`engine.ragged`.)"""
+    q, k, v = qkv_heads(x, w, cfg)
+    att = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cache, layer, start, mask)
+    return out_and_mlp(x, att, w, cfg)
 
 
 class LayerStack:
@@ -331,6 +429,11 @@ class LayerStack:
         self.cache = KVCache(
             len(self.layers), config.n_kv_heads, config.head_dim, capacity, dtype, device
         )
+        self._fused: list[tuple[Any, ...]] | None = None  # one-call layers (quantized weights)
+        if self.layers and self.device.type == "cpu" and dtype == torch.float32:
+            args = [fused_args(w, config) for w in self.layers]
+            if all(a is not None for a in args) and kernels.quant_available():
+                self._fused = args  # type: ignore[assignment]
 
     @property
     def end(self) -> int:
@@ -360,9 +463,25 @@ class LayerStack:
         cache_pos = self.cache.pos[: self.cache.length]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [B, hd]
         masks: dict[int | None, torch.Tensor | None] = {}
+        fused = self._fused
+        if fused is not None:
+            x = x.contiguous().clone()  # updated in place layer after layer
         for i, w in enumerate(self.layers):
             win = self.windows[i]
             if win not in masks:
                 masks[win] = block_mask(positions, parents, cache_pos, start, win)
-            x = decoder_layer(x, w, self.config, cos, sin, self.cache, i, start, masks[win])
+            if fused is not None:
+                kernels.fused_layer(
+                    x,
+                    fused[i],
+                    cos,
+                    sin,
+                    self.cache.k[i],
+                    self.cache.v[i],
+                    start,
+                    masks[win],
+                    self.config.rms_eps,
+                )
+            else:
+                x = decoder_layer(x, w, self.config, cos, sin, self.cache, i, start, masks[win])
         return x

@@ -52,6 +52,7 @@ E_FINGERPRINT = "fingerprint"  # server serves a different model
 E_RANGE = "range"  # requested layer range not served
 E_CONTEXT = "context"  # position beyond the session's max context
 E_INTERNAL = "internal"  # unexpected server failure (the session is dropped)
+E_DENIED = "denied"  # this key is not (or no longer) allowed, or the id belongs to another key
 ERROR_CODES = (
     E_BAD_MESSAGE,
     E_VERSION,
@@ -63,6 +64,7 @@ ERROR_CODES = (
     E_RANGE,
     E_CONTEXT,
     E_INTERNAL,
+    E_DENIED,
 )
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -80,6 +82,12 @@ MAX_FRAMES = 2
 MAX_ID_LEN = 64
 
 INVITE_PREFIX = "veil1:"
+
+# CurveZMQ keys travel and are shown as Z85 text: 40 characters for 32 bytes.
+Z85_ALPHABET = (
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" + ".-:+=^!/*?&<>()[]{}@%$#"
+)
+CURVE_KEY_LEN = 40
 
 
 class ProtocolError(Exception):
@@ -156,6 +164,7 @@ class Closed:
 class Ping:
     nonce: int
     session: str | None = None
+    stats: bool = False  # ask for the server's public statistics (`veil-trunk loadtest`)
 
 
 @dataclass
@@ -164,6 +173,7 @@ class Pong:
     known: bool = False  # the ping's session exists for this connection
     last_step: int = -1  # last step accepted for it
     in_flight: bool = False  # a step of it is being computed
+    stats: dict[str, Any] | None = None  # answer to Ping(stats=True): see check_stats
 
 
 @dataclass
@@ -268,7 +278,7 @@ def encode(msg: Message) -> list[Frame]:
     if isinstance(msg, Closed):
         return [_header(CLOSED, session=msg.session)]
     if isinstance(msg, Ping):
-        return [_header(PING, nonce=msg.nonce, session=msg.session)]
+        return [_header(PING, nonce=msg.nonce, session=msg.session, stats=msg.stats or None)]
     if isinstance(msg, Pong):
         return [
             _header(
@@ -277,6 +287,7 @@ def encode(msg: Message) -> list[Frame]:
                 known=msg.known,
                 last_step=msg.last_step,
                 in_flight=msg.in_flight,
+                stats=msg.stats,
             )
         ]
     if isinstance(msg, Error):
@@ -367,6 +378,32 @@ def check_keep(keep: Sequence[int] | None) -> None:
         return
     if any(k < 0 for k in keep) or any(b <= a for a, b in itertools.pairwise(keep)):
         raise _bad("keep must be strictly ascending, non-negative node indices")
+
+
+def check_stats(v: Any, depth: int = 0) -> dict[str, Any]:
+    """A server's statistics map: string keys; numbers, booleans, short strings, lists of those,
+    and maps of the same (two levels deep at most)."""
+    if not isinstance(v, dict) or len(v) > 4096:
+        raise _bad("field 'stats' must be a map of at most 4096 entries")
+    for k, x in v.items():
+        if not isinstance(k, str) or len(k) > 64:
+            raise _bad("stats keys must be short strings")
+        if isinstance(x, dict):
+            if depth >= 1:
+                raise _bad("stats nest two levels at most")
+            check_stats(x, depth + 1)
+        elif isinstance(x, list):
+            if len(x) > 64 or not all(_stat_scalar(e) for e in x):
+                raise _bad("stats lists hold at most 64 numbers or strings")
+        elif not _stat_scalar(x):
+            raise _bad(f"stats value for {k!r} is not a number, boolean or short string")
+    return v
+
+
+def _stat_scalar(x: Any) -> bool:
+    if isinstance(x, str):
+        return len(x) <= 256
+    return type(x) in (int, float, bool) and x == x
 
 
 def _tensor(frame: Any, dtype: str, shape: list[int] | None) -> torch.Tensor:
@@ -489,6 +526,7 @@ def decode(frames: Sequence[Any]) -> Message:
         return Ping(
             nonce=_int(h, "nonce", 0, 1 << 62),
             session=_str(h, "session", MAX_ID_LEN, optional=True),
+            stats=_bool(h, "stats", False),
         )
     if t == PONG:
         return Pong(
@@ -496,6 +534,7 @@ def decode(frames: Sequence[Any]) -> Message:
             known=_bool(h, "known", False),
             last_step=_int(h, "last_step", -1, 1 << 62),
             in_flight=_bool(h, "in_flight", False),
+            stats=check_stats(h["stats"]) if "stats" in h else None,
         )
     # ERROR
     code = _str(h, "code", 64)
@@ -517,6 +556,25 @@ def make_invite(address: str, server_public_key: str) -> str:
     return INVITE_PREFIX + base64.urlsafe_b64encode(blob).decode().rstrip("=")
 
 
+def curve_key_problem(key: object) -> str | None:
+    """Why ``key`` is not a Z85 CurveZMQ key (None when it is one).
+
+    Checked fully here, not left to libzmq: a 40-character string that is not Z85 makes
+    ``curve_serverkey`` fail deep inside socket set-up (and once left a client hung)."""
+    if not isinstance(key, str) or len(key) != CURVE_KEY_LEN:
+        return f"a key is {CURVE_KEY_LEN} characters (Z85)"
+    for i in range(0, CURVE_KEY_LEN, 5):
+        value = 0
+        for ch in key[i : i + 5]:
+            digit = Z85_ALPHABET.find(ch)
+            if digit < 0:
+                return f"the character {ch!r} cannot appear in a Z85 key"
+            value = value * 85 + digit
+        if value >= 1 << 32:
+            return "the key is not valid Z85 (a group of 5 characters is out of range)"
+    return None
+
+
 def parse_invite(code: str) -> tuple[str, str]:
     """(address, server public key) from an invite; ValueError with a clear message if bad."""
     code = code.strip()
@@ -530,6 +588,7 @@ def parse_invite(code: str) -> tuple[str, str]:
         raise ValueError("the invite code is damaged (copy it again, whole)") from None
     if not isinstance(address, str) or not address.startswith("tcp://"):
         raise ValueError("the invite code holds no tcp:// address")
-    if not isinstance(key, str) or len(key) != 40:
-        raise ValueError("the invite code holds no valid server key")
+    problem = curve_key_problem(key)
+    if problem is not None:
+        raise ValueError(f"the invite code's server key is damaged ({problem}); ask for a new one")
     return address, key

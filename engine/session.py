@@ -21,12 +21,18 @@ DTYPES = {
 }
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """A dtype name; ``auto`` is the fastest exact-enough one for ``device``
+    (:func:`engine.kernels.cpu.default_dtype`)."""
+    if name.lower() == "auto":
+        from engine.kernels.cpu import default_dtype
+
+        return default_dtype(device)
     try:
         return DTYPES[name.lower()]
     except KeyError:
         raise GenerationError(
-            f"unknown dtype '{name}'", hint="use float32, bfloat16 or float16"
+            f"unknown dtype '{name}'", hint="use auto, float32, bfloat16 or float16"
         ) from None
 
 
@@ -36,9 +42,13 @@ class RunnerOptions:
     local_layers: int = 2
     tail_layers: int | None = None
     server: str | None = None  # None: the trunk runs in this process
+    insecure: bool = False  # plain TCP to a loopback `veil-trunk serve --insecure`
     dtype: str = "float32"
     device: str = "cpu"
     private_weights: str | None = None  # organisation-private head/tail layers (veil privatize)
+    client_quant: str = (
+        "auto"  # the client's matrices: auto (GGUF kept quantized), none, int8, int4
+    )
 
 
 def open_trunk(client: ClientModel, opts: RunnerOptions, progress: Progress | None) -> Trunk | None:
@@ -49,12 +59,12 @@ def open_trunk(client: ClientModel, opts: RunnerOptions, progress: Progress | No
     if opts.server:
         from engine.transport import connect_trunk
 
-        return connect_trunk(opts.server, client, progress=progress)
+        return connect_trunk(opts.server, client, progress=progress, insecure=opts.insecure)
     return load_trunk(
         client.resolved,
         start,
         end,
-        dtype=parse_dtype(opts.dtype),
+        dtype=parse_dtype(opts.dtype, opts.device),
         device=opts.device,
         progress=progress,
     )
@@ -65,9 +75,10 @@ def open_runner(opts: RunnerOptions, progress: Progress | None = None) -> SplitR
         opts.model,
         opts.local_layers,
         tail_layers=opts.tail_layers,
-        dtype=parse_dtype(opts.dtype),
+        dtype=parse_dtype(opts.dtype, opts.device),
         device=opts.device,
         progress=progress,
         private_weights=opts.private_weights,
+        client_quant=opts.client_quant,
     )
     return SplitRunner(client, open_trunk(client, opts, progress))

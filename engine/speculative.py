@@ -19,11 +19,14 @@ sampling rule for deterministic drafts (accept draft d with probability p(d), el
 the residual p minus d, renormalized — which is a draw from p), so the output distribution is
 exactly the non-speculative one.
 
-Tree size. :class:`CostModel` fits the wall time of a round as ``a + b * block_size`` from the
-rounds it has seen (``a``: round trip, fixed local and server overhead; ``b``: per-node compute
-at both ends plus bytes over the link), and each round keeps the prefix of the best-first
-draft tree that maximizes ``(1 + expected accepted nodes) / predicted round time``. On a GPU
-trunk behind a WAN that means big trees; on a small CPU box, small ones.
+Tree size. :class:`CostModel` fits the wall time of a round's verification as ``a + b *
+block_size`` from the rounds it has seen (``a``: round trip, fixed local and server overhead;
+``b``: per-node compute at both ends plus bytes over the link) and tracks the drafting time per
+round ``d`` beside it; each round keeps the prefix of the best-first draft tree that maximizes
+``(1 + expected accepted nodes) / (d + a + b * block_size)``. On a GPU trunk behind a WAN that
+means big trees; on a small CPU box, small ones. A learned draft head is told how much a level
+of its tree must be expected to add to pay for the level's time at that rate
+(:attr:`engine.drafts.learned.HeadDraft.min_gain`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.drafts import DraftTree, TreeDrafter, Verified, default_drafter
+from engine.drafts.head import DraftHead
+from engine.drafts.learned import HeadDraft
 from engine.generate import (
     DECODERS,
     CancelToken,
@@ -43,6 +48,7 @@ from engine.generate import (
     TextCallback,
     start_generation,
 )
+from engine.lazy_logits import LazyLogits
 from engine.sampling import SamplingParams, process_logits
 from engine.split import SplitRunner
 
@@ -50,13 +56,29 @@ TOPK = 8  # successors recorded per verified node (token recycling)
 
 
 class CostModel:
-    """Round time ≈ a + b · block_size, by exponentially weighted least squares."""
+    """Verification time ≈ a + b · block_size, by exponentially weighted least squares, plus the
+    drafting time per round (a moving average), which every choice pays alike."""
 
     def __init__(self, decay: float = 0.97, prior_a: float = 0.05, prior_b: float = 0.002) -> None:
         self.decay = decay
         self.prior_a = prior_a
         self.prior_b = prior_b
         self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self.draft_s = 0.0  # seconds of drafting per round (moving average)
+        self.tokens = 0.0  # tokens committed per round (moving average)
+
+    def observe_round(self, draft_seconds: float, committed: int) -> None:
+        """Drafting time and committed tokens of one round (for the rate a head must beat)."""
+        if self.tokens == 0.0:
+            self.draft_s, self.tokens = draft_seconds, float(committed)
+            return
+        self.draft_s = 0.9 * self.draft_s + 0.1 * draft_seconds
+        self.tokens = 0.9 * self.tokens + 0.1 * committed
+
+    def rate(self, block_size: int) -> float:
+        """Tokens per second of a round that sends ``block_size`` nodes and commits the recent
+        average."""
+        return max(self.tokens, 1.0) / (self.draft_s + self.predict(block_size))
 
     def observe(self, block_size: int, seconds: float) -> None:
         d = self.decay
@@ -66,6 +88,13 @@ class CostModel:
         self._t = d * self._t + seconds
         self._nn = d * self._nn + n * n
         self._nt = d * self._nt + n * seconds
+
+    def spread(self) -> float:
+        """Variance of the block sizes seen (the slope is only known when this is large)."""
+        if self._w <= 0:
+            return 0.0
+        mn = self._n / self._w
+        return self._nn / self._w - mn * mn
 
     def coefficients(self) -> tuple[float, float]:
         if self._w <= 0:
@@ -86,6 +115,7 @@ class CostModel:
     def choose(self, path_probs: Sequence[float]) -> int:
         """How many draft nodes (a prefix of the best-first order) maximize tokens/second."""
         a, b = self.coefficients()
+        a += self.draft_s
         best_rate, best_n = 1.0 / (a + b), 0
         expected = 1.0
         for i, p in enumerate(path_probs):
@@ -98,8 +128,13 @@ class CostModel:
 
 @dataclass
 class SpecOptions:
-    max_nodes: int = 64  # most draft nodes proposed per round before the cost model trims
+    # most draft nodes proposed per round before the cost model trims: root + 63 nodes is the
+    # largest block the small-row kernel takes (bigger ones fall back to BLAS, much slower)
+    max_nodes: int = 63
     fixed_budget: int | None = None  # skip the cost model: always send this many nodes (or fewer)
+    # Compute LM-head rows only along the walk (engine.lazy_logits) when the drafter does not
+    # learn from every node's logits (``needs_all_logits = False`` on the drafter).
+    lazy_head: bool = True
 
 
 def proposal_size(recent: Sequence[int], max_nodes: int) -> int:
@@ -124,23 +159,60 @@ class _RunnerState:
     drafter: TreeDrafter
     cost: CostModel = field(default_factory=CostModel)
     recent: list[int] = field(default_factory=list)  # the cost model's last choices
+    head: HeadDraft | None = None  # the learned source inside ``drafter``, if any
+    rounds: int = 0
 
 
 _STATE: weakref.WeakKeyDictionary[SplitRunner, _RunnerState] = weakref.WeakKeyDictionary()
+# per runner: "auto" (the shipped head for this model, if any), "none", or a loaded head
+_HEAD: weakref.WeakKeyDictionary[SplitRunner, str | DraftHead] = weakref.WeakKeyDictionary()
+
+
+def _key(runner: SplitRunner) -> SplitRunner:
+    """The runner itself, also through a wrapper that exposes it as ``wrapped`` (the app counts
+    round trips through one per reply; what was learned belongs to the runner underneath)."""
+    inner = getattr(runner, "wrapped", None)
+    return inner if isinstance(inner, SplitRunner) else runner
 
 
 def runner_state(runner: SplitRunner) -> _RunnerState:
     """Drafter and cost model kept per runner across generations (they learn as they go)."""
+    runner = _key(runner)
     st = _STATE.get(runner)
     if st is None:
-        st = _STATE[runner] = _RunnerState(default_drafter(runner.client.embed_weight))
+        head = _head_source(runner, _HEAD.get(runner, "auto"))
+        drafter = default_drafter(runner.client.embed_weight, head)
+        st = _STATE[runner] = _RunnerState(drafter, head=head)
     return st
+
+
+def _head_source(runner: SplitRunner, choice: str | DraftHead) -> HeadDraft | None:
+    from engine.drafts.select import auto_head
+
+    head = auto_head(runner.client) if choice == "auto" else choice
+    if not isinstance(head, DraftHead):
+        return None
+    return HeadDraft(head, runner.client)
+
+
+def use_draft_head(runner: SplitRunner, head: str | DraftHead) -> None:
+    """Draft with ``head`` on ``runner`` from now on: a loaded :class:`DraftHead`, ``"auto"``
+    (the head shipped for this model, the default) or ``"none"``. What the drafter learned so
+    far is dropped."""
+    _HEAD[_key(runner)] = head
+    _STATE.pop(_key(runner), None)
+
+
+def draft_head_of(runner: SplitRunner) -> DraftHead | None:
+    """The learned head this runner drafts with (None: context sources only)."""
+    src = runner_state(runner).head
+    return src.head if src is not None else None
 
 
 def forget(runner: SplitRunner) -> None:
     """Drop what the drafter and cost model learned with ``runner`` (benchmarks use this so a
     pass over prompts already seen does not profit from their recycled successors)."""
-    _STATE.pop(runner, None)
+    _STATE.pop(_key(runner), None)
 
 
 def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
@@ -196,12 +268,12 @@ def generate_speculative(
     state = runner_state(runner)
     drafter = drafter or state.drafter
     cost = state.cost
+    head = state.head if drafter is state.drafter else None
+    taps = _taps(runner, head)
     drafter.reset()
     ctx = list(prompt_ids)
-    logits = runner.forward(ctx, range(len(ctx)))  # [L, V]
+    logits, feats = _verify(runner, ctx, range(len(ctx)), None, None, taps)  # [L, V]
     stats.round_trips += 1
-    top_ids, top_probs = top_successors(logits, TOPK)  # [L, K]
-    drafter.learn_prompt(ctx, top_ids, top_probs)
     cost.observe(len(ctx), time.perf_counter() - t0)
     tok = choose_token(logits[-1], params, ctx, gen, {})
     ctx.append(tok)
@@ -211,6 +283,26 @@ def generate_speculative(
     if not done and len(ctx) >= limit:
         out.finish("context")
         done = True
+    if not done:  # the prompt is a chain whose every node was "accepted"
+        n = len(prompt_ids)
+        top_ids, top_probs = top_successors(logits, TOPK)  # [L, K]
+        targets = {i: ctx[i + 1] for i in range(n)}
+        chain = list(range(-1, n - 1))
+        drafter.observe(
+            Verified(
+                ctx,
+                list(prompt_ids),
+                chain,
+                top_ids,
+                top_probs,
+                list(range(n)),
+                targets,
+                0,
+                feats,
+                taps,
+            )
+        )
+        stats.draft_s += time.perf_counter() - t_first
     keep: list[int] | None = None
     while not done:
         if cancel is not None and cancel.cancelled:
@@ -219,17 +311,32 @@ def generate_speculative(
         t_round = time.perf_counter()
         root, root_pos = ctx[-1], len(ctx) - 1
         room = min(limit - 1 - root_pos, params.max_new_tokens - len(out.token_ids))
+        if head is not None:
+            # a level of the head's tree must add at least what its time buys at the current rate
+            head.min_gain = head.level_ms / 1000 * cost.rate(max(state.recent[-1:] or [0]) + 1)
         if opts.fixed_budget is not None:
             tree = drafter.propose(ctx, opts.fixed_budget)
             tree = limit_depth(tree, room)
         else:
             size = proposal_size(state.recent, opts.max_nodes)
             tree = limit_depth(drafter.propose(ctx, size), room)
-            tree = tree.prefix(cost.choose(tree.path_probs()))
+            n = cost.choose(tree.path_probs())
+            state.rounds += 1
+            if cost.spread() < 4.0 and state.rounds % 4 == 0:
+                n //= 2  # the same size every round says nothing about the cost per node
+            tree = tree.prefix(n)
             state.recent = [*state.recent[-7:], len(tree)]
+        t_sent = time.perf_counter()
+        draft_s = t_sent - t_round
         ids, parents = tree.block(root)
         positions = [root_pos] + [root_pos + d for d in tree.depths()]
-        logits = runner.forward(ids, positions, parents, keep)  # [B, V]
+        lazy = opts.lazy_head and not getattr(drafter, "needs_all_logits", True)
+        rows: torch.Tensor | LazyLogits
+        if lazy:  # LM-head rows as the walk reaches them; same bits as computing them all
+            hid, feats = _verify_hidden(runner, ids, positions, parents, keep, taps)  # [B, H]
+            rows = LazyLogits(runner.client, hid, parents, [1.0, *tree.probs])
+        else:
+            rows, feats = _verify(runner, ids, positions, parents, keep, taps)  # [B, V]
         stats.round_trips += 1
         stats.tree_nodes_sent += len(ids)
         kids: list[dict[int, int]] = [{} for _ in ids]
@@ -237,7 +344,7 @@ def generate_speculative(
             kids[parents[i]][ids[i]] = i
         node, path, targets, committed = 0, [0], {}, 0
         while True:
-            tok = choose_token(logits[node], params, ctx, gen, kids[node])
+            tok = choose_token(rows[node], params, ctx, gen, kids[node])
             targets[node] = tok
             ctx.append(tok)
             committed += 1
@@ -256,13 +363,67 @@ def generate_speculative(
         keep = path
         stats.accepted_hist[committed] = stats.accepted_hist.get(committed, 0) + 1
         if done:
+            stats.draft_s += draft_s
             break
-        top_ids, top_probs = top_successors(logits, TOPK)  # [B, K]
-        drafter.observe(Verified(ctx, ids, parents, top_ids, top_probs, path, targets, root_pos))
-        cost.observe(len(ids), time.perf_counter() - t_round)
+        t_learn = time.perf_counter()
+        if isinstance(rows, LazyLogits):  # rows never computed: ids -1, probabilities 0
+            top_ids = torch.full((len(ids), TOPK), -1, dtype=torch.long)
+            top_probs = torch.zeros(len(ids), TOPK)
+            done_rows = sorted(rows.rows)
+            t_ids, t_probs = top_successors(torch.stack([rows.rows[i] for i in done_rows]), TOPK)
+            top_ids[done_rows], top_probs[done_rows] = t_ids, t_probs
+        else:
+            top_ids, top_probs = top_successors(rows, TOPK)  # [B, K]
+        drafter.observe(
+            Verified(ctx, ids, parents, top_ids, top_probs, path, targets, root_pos, feats, taps)
+        )
+        draft_s += time.perf_counter() - t_learn
+        stats.draft_s += draft_s
+        cost.observe(len(ids), t_learn - t_sent)
+        cost.observe_round(draft_s, committed)
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
+
+
+def _taps(runner: SplitRunner, head: HeadDraft | None) -> tuple[int, int, int] | None:
+    """The feature layers to hand the drafter: only when a head that reads them is present."""
+    if head is None or not hasattr(runner, "forward_states"):
+        return None
+    taps = runner.client.tap_layers()
+    return taps if head.accepts(taps) else None
+
+
+def _verify(
+    runner: SplitRunner,
+    ids: Sequence[int],
+    positions: Sequence[int],
+    parents: Sequence[int] | None,
+    keep: Sequence[int] | None,
+    taps: tuple[int, int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One trunk round trip: logits [B, V] of every node, and the features [B, 3H] a learned
+    head reads (when ``taps`` says it reads them)."""
+    if taps is None:
+        return runner.forward(ids, positions, parents, keep), None
+    states = runner.forward_states(ids, positions, parents, keep)
+    return runner.client.logits(states.final), states.features()
+
+
+def _verify_hidden(
+    runner: SplitRunner,
+    ids: Sequence[int],
+    positions: Sequence[int],
+    parents: Sequence[int] | None,
+    keep: Sequence[int] | None,
+    taps: tuple[int, int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Like :func:`_verify`, but the final hidden states [B, H] instead of the logits (the
+    LM head runs lazily, row by row)."""
+    if taps is None:
+        return runner.hidden(ids, positions, parents, keep), None
+    states = runner.forward_states(ids, positions, parents, keep)
+    return states.final, states.features()
 
 
 DECODERS["speculative"] = generate_speculative

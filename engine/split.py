@@ -32,7 +32,9 @@ from engine.loading import (
     resolve,
     weights_fingerprint,
 )
-from engine.model import LayerStack, LayerWeights, layer_tensor_names, rms_norm
+from engine.model import LayerStack, LayerWeights, Weight, layer_tensor_names, rms_norm
+from engine.quant import QuantWeight, weight_bytes
+from engine.quant.load import client_reader, resolve_quant
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class LocalTrunk:
 
 
 def read_layers(
-    reader: WeightReader,
+    reader: Any,
     config: ModelConfig,
     indices: Sequence[int],
     dtype: torch.dtype,
@@ -144,13 +146,16 @@ def load_trunk(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     progress: Progress | None = None,
+    quant: str = "none",
 ) -> LocalTrunk:
-    """Build a trunk for layers [start, end) from those layers' tensors alone."""
+    """Build a trunk for layers [start, end) from those layers' tensors alone. ``quant`` (as
+    ``--client-quant``: auto, none, int8, int4) keeps the trunk's matrices quantized (CPU)."""
     resolved = spec if isinstance(spec, ResolvedModel) else resolve(spec, progress)
     config = load_config(resolved.folder)
     if not 0 <= start < end <= config.n_layers:
         raise SplitError(f"trunk range [{start}, {end}) is outside the model's {config.n_layers}")
-    reader = WeightReader(resolved.folder)
+    q = resolve_quant(quant, resolved) if str(device) == "cpu" else "none"
+    reader = client_reader(WeightReader(resolved.folder), resolved, config, q)
     layers = read_layers(reader, config, range(start, end), dtype, device)
     return LocalTrunk(
         LayerStack(
@@ -172,6 +177,7 @@ class ClientModel:
         config: ModelConfig | None = None,
         tokenizer: Any = None,
         private_weights: str | Path | None = None,
+        client_quant: str = "none",
     ) -> None:
         self.resolved = resolved
         self.name = resolved.name
@@ -185,18 +191,27 @@ class ClientModel:
 
             self.reader = OverlayReader(self.reader, Path(private_weights), self.config)
         cfg = self.config
+        # What the client's matrices are held as: "none" (float), "gguf" (the file's own
+        # quantized blocks), "int8" or "int4" (quantized at load, cached). ``weights`` reads
+        # them; ``reader`` stays the float checkpoint (trunk fingerprints, private overlays).
+        self.client_quant = resolve_quant(
+            client_quant if self.device.type == "cpu" else "none",
+            resolved,
+            private=private_weights is not None,
+        )
+        self.weights: Any = client_reader(self.reader, resolved, cfg, self.client_quant)
         names = ["model.embed_tokens.weight", "model.norm.weight"]
-        tied = cfg.tie_word_embeddings or not self.reader.has("lm_head.weight")
+        tied = cfg.tie_word_embeddings or not self.weights.has("lm_head.weight")
         if not tied:
             names.append("lm_head.weight")
-        t = self.reader.read(names, dtype=dtype, device=device)
-        self.norm_weight = t["model.norm.weight"]  # [H]
+        t = self.weights.read(names, dtype=dtype, device=device)
+        self.norm_weight: torch.Tensor = t["model.norm.weight"]  # type: ignore[assignment]  # [H]
         # The LM head is [V, H], like the embedding; a tied model shares one buffer.
-        self.embed_weight = t["model.embed_tokens.weight"].contiguous()  # [V, H]
+        self.embed_weight: Weight = _contiguous(t["model.embed_tokens.weight"])  # [V, H]
         if tied:
-            self.lm_head = self.embed_weight  # [V, H]
+            self.lm_head: Weight = self.embed_weight  # [V, H]
         else:
-            self.lm_head = t["lm_head.weight"].contiguous()  # [V, H]
+            self.lm_head = _contiguous(t["lm_head.weight"])  # [V, H]
         self._layers: dict[int, LayerWeights] = {}
         self.plan = plan
         self.head = LayerStack(cfg, 0, [])
@@ -211,7 +226,9 @@ class ClientModel:
         if hasattr(self.reader, "check_plan"):
             self.reader.check_plan(plan.head, plan.n_layers - plan.tail)
         missing = [i for i in want if i not in self._layers]
-        self._layers.update(read_layers(self.reader, self.config, missing, self.dtype, self.device))
+        self._layers.update(
+            read_layers(self.weights, self.config, missing, self.dtype, self.device)
+        )
         for i in list(self._layers):
             if i not in want:
                 del self._layers[i]
@@ -233,27 +250,59 @@ class ClientModel:
             device=self.device,
         )
 
+    def tap_layers(self) -> tuple[int, int, int]:
+        """How many decoder layers lie below each of :class:`BlockStates`' three states."""
+        return self.plan.head, self.plan.n_layers - self.plan.tail, self.plan.n_layers
+
     def trunk_fingerprint(self) -> str:
         start, end = self.plan.trunk_range
         return trunk_fingerprint(self.reader, self.config, start, end)
 
     def local_param_bytes(self) -> int:
-        b = self.embed_weight.numel() * self.embed_weight.element_size()
-        b += self.norm_weight.numel() * self.norm_weight.element_size()
-        if self.embed_weight.data_ptr() != self.lm_head.data_ptr():
-            b += self.lm_head.numel() * self.lm_head.element_size()
+        """Bytes of weights held here, as held: quantized matrices count their blocks."""
+        b = weight_bytes(self.embed_weight) + weight_bytes(self.norm_weight)
+        if self.lm_head is not self.embed_weight:
+            b += weight_bytes(self.lm_head)
         return b + sum(w.nbytes() for w in self._layers.values())
 
     def reset(self) -> None:
         self.head.reset()
         self.tail.reset()
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One token through the local layers and the LM head, then forget it: the kernels'
+        first-use compiles (once per machine, then loaded from disk in a second) happen here,
+        while loading says so, instead of silently inside the first reply."""
+        ids = torch.zeros(1, dtype=torch.long, device=self.device)  # [1]
+        pos = torch.zeros(1, dtype=torch.long, device=self.device)  # [1]
+        x = self.embed(ids)  # [1, H]
+        x = self.tail.forward(self.head.forward(x, pos), pos)  # [1, H]
+        self.logits(x)
+        self.reset()
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids.to(self.device), self.embed_weight)  # [B, H]
+        if isinstance(self.embed_weight, QuantWeight):
+            return self.embed_weight.rows(ids).to(device=self.device, dtype=self.dtype)  # [B, H]
+        return F.embedding(ids.to(self.device), self.embed_weight)  # type: ignore[arg-type]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.norm_weight, self.config.rms_eps)  # [B, H]
         return linear(h, self.lm_head).float()  # [B, V]
+
+
+@dataclass
+class BlockStates:
+    """A block's hidden states at the three places the client sees them: after its head layers,
+    as the trunk returned them, and after its tail layers (before the final norm). A learned
+    draft head reads all three (:mod:`engine.drafts.head`)."""
+
+    head: torch.Tensor  # [B, H]
+    trunk: torch.Tensor  # [B, H]
+    final: torch.Tensor  # [B, H]
+
+    def features(self) -> torch.Tensor:
+        return torch.cat([self.head, self.trunk, self.final], dim=-1)  # [B, 3H]
 
 
 class SplitRunner:
@@ -286,6 +335,17 @@ class SplitRunner:
             self.trunk.reset()
 
     @torch.inference_mode()
+    def hidden(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [B, H] (before the norm and LM head) for a block of tokens."""
+        return self.forward_states(ids, positions, parents, keep).final
+
+    @torch.inference_mode()
     def forward(
         self,
         ids: Sequence[int],
@@ -295,18 +355,31 @@ class SplitRunner:
         last_only: bool = False,
     ) -> torch.Tensor:
         """Logits [B, V] (or [1, V] with ``last_only``) for a block of tokens."""
+        x = self.hidden(ids, positions, parents, keep)  # [B, H]
+        if last_only:
+            x = x[-1:]
+        return self.client.logits(x)
+
+    @torch.inference_mode()
+    def forward_states(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> BlockStates:
+        """Like :meth:`hidden` (one trunk round trip), but the hidden states at the head, the
+        trunk and the tail; the logits are ``client.logits(states.final)``."""
         c = self.client
         ids_t = torch.tensor(list(ids), dtype=torch.long, device=c.device)  # [B]
         pos_t = torch.tensor(list(positions), dtype=torch.long, device=c.device)  # [B]
         x = c.embed(ids_t)  # [B, H]
-        x = c.head.forward(x, pos_t, parents, keep)
+        h = c.head.forward(x, pos_t, parents, keep)  # [B, H]
+        t = h
         if self.remote:
             assert self.trunk is not None
-            x = self.trunk.forward(x, pos_t, parents, keep).to(device=c.device, dtype=c.dtype)
-        x = c.tail.forward(x, pos_t, parents, keep)
-        if last_only:
-            x = x[-1:]
-        return c.logits(x)
+            t = self.trunk.forward(h, pos_t, parents, keep).to(device=c.device, dtype=c.dtype)
+        return BlockStates(h, t, c.tail.forward(t, pos_t, parents, keep))
 
 
 def load_client(
@@ -318,16 +391,40 @@ def load_client(
     device: str = "cpu",
     progress: Progress | None = None,
     private_weights: str | Path | None = None,
+    client_quant: str = "auto",
+    warm_up: bool = False,
 ) -> ClientModel:
+    """The client for ``spec``. ``client_quant``: ``auto`` (a GGUF file's matrices stay in
+    their quantized blocks; float checkpoints stay float), ``none`` (everything float: the
+    reference path), ``int8`` or ``int4`` (quantized at load, cached). ``warm_up``: run one
+    token through it under a "preparing kernels" label (the app: the kernels' one-time
+    compiles then happen while loading says so, not inside the first reply)."""
     resolved = resolve(spec, progress)
     config = load_config(resolved.folder)
     if tail_layers is None:
         plan = SplitPlan.symmetric(config.n_layers, local_layers)
     else:
         plan = SplitPlan.of(config.n_layers, local_layers, tail_layers)
-    return ClientModel(
-        resolved, plan, dtype=dtype, device=device, config=config, private_weights=private_weights
+    client = ClientModel(
+        resolved,
+        plan,
+        dtype=dtype,
+        device=device,
+        config=config,
+        private_weights=private_weights,
+        client_quant=client_quant,
     )
+    if warm_up:
+        if progress is not None:
+            progress("preparing kernels", 0.0)
+        client.warm_up()
+        if progress is not None:
+            progress("preparing kernels", 1.0)
+    return client
+
+
+def _contiguous(t: torch.Tensor | QuantWeight) -> Weight:
+    return t.contiguous() if isinstance(t, torch.Tensor) else t
 
 
 def folder_of(spec: str | Path) -> Path:

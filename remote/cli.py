@@ -1,7 +1,7 @@
 """`veil-trunk`: serve the middle layers of a model to Veil clients over CurveZMQ.
 
-Commands: ``serve``, ``keygen``, ``allow``, ``revoke``, ``invite``. Logs go to stderr; errors
-are one line (``veil-trunk: error: ...``) and exit 2.
+Commands: ``serve``, ``keygen``, ``allow``, ``revoke``, ``invite``, ``loadtest``, ``status``.
+Logs go to stderr; errors are one line (``veil-trunk: error: ...``) and exit 2.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from remote.allowlist import AllowList, line_key, read_allow_list, write_atomically
 
 log = logging.getLogger("veil.trunk")
 
@@ -49,6 +51,35 @@ def _keys_arg(p: argparse.ArgumentParser) -> None:
         help="folder with the server keypair and the client allow-list "
         "(default: $VEIL_TRUNK_KEYS or the user config dir, e.g. ~/.config/veil-trunk)",
     )
+
+
+def _key_arg(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("key", nargs="?", default=None, metavar="CLIENT_PUBLIC_KEY", help=help_text)
+    # where main() puts a key that starts with '-' (argparse would read it as an option)
+    p.add_argument("--key", dest="key_option", default=None, help=argparse.SUPPRESS)
+
+
+KEY_COMMANDS = {"allow": ("--name", "--keys"), "revoke": ("--keys",)}
+
+
+def protect_dash_keys(argv: Sequence[str]) -> list[str]:
+    """``allow``/``revoke`` accept a key exactly as shown, even one starting with '-' (about 1
+    Z85 key in 85): argparse would read that word as an option, so such a word that is not one
+    of the command's options (or an option's value) is passed as ``--key=WORD``."""
+    out = list(argv)
+    cmd = next((i for i, a in enumerate(out) if not a.startswith("-")), None)
+    if cmd is None or out[cmd] not in KEY_COMMANDS:
+        return out
+    options = (*KEY_COMMANDS[out[cmd]], "--help", "-h")
+    for j in range(cmd + 1, len(out)):
+        word, prev = out[j], out[j - 1]
+        if not word.startswith("-") or word == "--" or prev in options:
+            continue
+        if any(word == o or word.startswith(o + "=") for o in options):
+            continue
+        if len(word) >= 20:  # options are short; a key (or a mistyped one) is long
+            out[j] = "--key=" + word
+    return out
 
 
 def build_parser() -> Parser:
@@ -94,11 +125,20 @@ def build_parser() -> Parser:
         help="open sessions at most; more get 'server busy' (default 8)",
     )
     s.add_argument(
+        "--max-sessions-per-client",
+        type=int,
+        default=2,
+        metavar="N",
+        help="open sessions per client key at most (default 2); at the limit a key's idle "
+        "session on another connection is closed, else the open gets 'server busy'",
+    )
+    s.add_argument(
         "--session-ttl",
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="drop a session idle this long (default 600); its client replays",
+        help="drop a session with no step for this long (default 600; pings do not count); "
+        "its client replays",
     )
     s.add_argument(
         "--max-cache-gb",
@@ -117,6 +157,40 @@ def build_parser() -> Parser:
     )
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     s.add_argument(
+        "--devices",
+        default=None,
+        metavar="DEV,DEV",
+        help="split the trunk's layers into contiguous stages, one per device "
+        "(e.g. cuda:0,cuda:1; cpu,cpu works too); overrides --device",
+    )
+    s.add_argument(
+        "--stage-layers",
+        default=None,
+        metavar="N,N",
+        help="layers per stage with --devices, in order (default: by free memory)",
+    )
+    s.add_argument(
+        "--max-batch-rows",
+        type=int,
+        default=256,
+        metavar="ROWS",
+        help="rows of all sessions' steps computed together in one batch (default 256)",
+    )
+    s.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        metavar="ROWS",
+        help="longer steps (prompts) run in chunks of this many rows, with other sessions' "
+        "steps in between (default 256)",
+    )
+    s.add_argument(
+        "--no-batching",
+        action="store_true",
+        help="compute one step at a time in arrival order, no chunks (the server before "
+        "batching; for comparisons)",
+    )
+    s.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -131,29 +205,46 @@ def build_parser() -> Parser:
         help="CPU threads for the small-batch matrix kernel (default 0: same as --threads)",
     )
     s.add_argument(
-        "--dtype", default="float32", help="compute dtype: float32 (default), bfloat16 or float16"
+        "--dtype",
+        default="auto",
+        help="compute dtype: auto (default: bfloat16 on CUDA and on CPUs with native bf16 "
+        "products, else float32), float32, bfloat16 or float16",
+    )
+    s.add_argument(
+        "--quant",
+        default="none",
+        choices=("auto", "none", "int8", "int4"),
+        help="keep the trunk's weights quantized on a CPU trunk: auto (a GGUF model's own "
+        "blocks), int8 (per channel) or int4 (groups of 32); none (default) computes in float",
     )
     s.add_argument(
         "--insecure",
         action="store_true",
         help="plain TCP without encryption or client keys; loopback addresses only",
     )
+    from remote.cluster.options import add_serve_args
+
+    add_serve_args(s)
 
     k = sub.add_parser("keygen", help="make the server keypair (secret file mode 0600)")
     _keys_arg(k)
     k.add_argument("--force", action="store_true", help="replace an existing keypair")
 
     a = sub.add_parser("allow", help="allow a client's public key")
-    a.add_argument(
-        "key",
-        metavar="CLIENT_PUBLIC_KEY",
-        help="40-character key the client prints with `python -m engine.keys show`",
+    _key_arg(
+        a,
+        "40-character key the client prints with `veil --client-key` or "
+        "`python -m engine.keys show` (quote it; it may start with '-')",
     )
     a.add_argument("--name", default="", help="a note stored next to the key")
     _keys_arg(a)
 
-    r = sub.add_parser("revoke", help="remove a client's public key from the allow-list")
-    r.add_argument("key", metavar="CLIENT_PUBLIC_KEY")
+    r = sub.add_parser(
+        "revoke",
+        help="remove a client's public key from the allow-list (its open sessions are "
+        "closed within seconds)",
+    )
+    _key_arg(r, "the key as it appears in the allow-list")
     _keys_arg(r)
 
     i = sub.add_parser("invite", help="print an invite code (address + server public key)")
@@ -164,6 +255,26 @@ def build_parser() -> Parser:
         help=f"the address clients reach this server at (default {DEFAULT_BIND})",
     )
     _keys_arg(i)
+
+    st = sub.add_parser(
+        "status", help="show a running server's sessions, batches and (with --ray) its replicas"
+    )
+    st.add_argument("--server", required=True, metavar="INVITE|tcp://HOST:PORT")
+    st.add_argument("--server-key", default=None, help="the server's public key (bare address)")
+    st.add_argument(
+        "--client-keys",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='JSON {"public": ..., "secret": ...} of an allowed client keypair (default: this '
+        "computer's Veil keypair)",
+    )
+    st.add_argument("--insecure", action="store_true", help="plain TCP (loopback only)")
+    st.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
+
+    from remote import loadtest_cli
+
+    loadtest_cli.add_parser(sub)
     return p
 
 
@@ -212,31 +323,25 @@ def load_server_keys(d: Path) -> tuple[str, str]:
 
 
 def _check_key(key: str) -> str:
-    key = key.strip()
-    if len(key) != 40:
-        raise CliError(
-            "a public key is 40 characters (z85), as `python -m engine.keys show` prints"
-        )
-    try:
-        import zmq.utils.z85
+    from engine.protocol import curve_key_problem
 
-        zmq.utils.z85.decode(key)
-    except Exception:
-        raise CliError("that is not a valid z85 public key") from None
+    key = key.strip()
+    problem = curve_key_problem(key)
+    if problem is not None:
+        raise CliError(f"that is not a client public key: {problem}, as `veil --client-key` prints")
     return key
 
 
 def allow(d: Path, key: str, name: str = "") -> bool:
-    from remote.server import read_allow_list
-
     key = _check_key(key)
     path = d / ALLOW_FILE
     if key in read_allow_list(path):
         return False
     d.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(key + (f"  # {name}" if name else "") + "\n")
-    os.chmod(path, 0o600)
+    old = path.read_text() if path.is_file() else ""
+    if old and not old.endswith("\n"):
+        old += "\n"
+    write_atomically(path, old + key + (f"  # {name}" if name else "") + "\n")
     return True
 
 
@@ -246,34 +351,9 @@ def revoke(d: Path, key: str) -> bool:
     if not path.is_file():
         return False
     lines = path.read_text().splitlines()
-    from remote.server import line_key
-
     kept = [ln for ln in lines if line_key(ln) != key]
-    path.write_text("".join(ln + "\n" for ln in kept))
+    write_atomically(path, "".join(ln + "\n" for ln in kept))
     return len(kept) != len(lines)
-
-
-class AllowList:
-    """The allow-list file, re-read when it changes (so `allow`/`revoke` need no restart)."""
-
-    def __init__(self, path: Path | None, fixed: Sequence[str] = ()) -> None:
-        self.path = path
-        self.fixed = set(fixed)
-        self.keys: set[str] = set()
-        self.mtime: float | None = None
-
-    def __call__(self, key: str) -> bool:
-        if self.path is not None:
-            try:
-                m = self.path.stat().st_mtime
-            except OSError:
-                m = None
-            if m != self.mtime:
-                from remote.server import read_allow_list
-
-                self.keys = read_allow_list(self.path)
-                self.mtime = m
-        return key in self.fixed or key in self.keys
 
 
 # --------------------------------------------------------------------------- commands
@@ -314,27 +394,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kernels.set_threads(args.kernel_threads)
     if not args.bind.startswith("tcp://"):
         raise CliError("--bind must be a tcp://HOST:PORT address")
+    if args.max_batch_rows < 1 or args.prefill_chunk < 1:
+        raise CliError("--max-batch-rows and --prefill-chunk must be at least 1")
+    stage_layers = None
+    if args.stage_layers is not None:
+        try:
+            stage_layers = [int(x) for x in args.stage_layers.split(",")]
+        except ValueError:
+            raise CliError("--stage-layers takes whole numbers, like 14,14") from None
+        if not args.devices:
+            raise CliError("--stage-layers needs --devices")
     opts = ServerOptions(
         model=args.model,
         bind=args.bind,
         min_local_layers=args.min_local_layers,
         max_sessions=args.max_sessions,
+        max_sessions_per_client=args.max_sessions_per_client,
         session_ttl_s=args.session_ttl,
         max_cache_gb=args.max_cache_gb,
         device=args.device,
         dtype=args.dtype,
         insecure=args.insecure,
         max_context=args.max_context,
+        devices=args.devices,
+        stage_layers=stage_layers,
+        max_batch_rows=args.max_batch_rows,
+        prefill_chunk=args.prefill_chunk,
+        batching=not args.no_batching,
+        quant=args.quant,
     )
-    if opts.max_sessions < 1 or opts.session_ttl_s <= 0 or opts.max_cache_gb <= 0:
-        raise CliError("--max-sessions, --session-ttl and --max-cache-gb must be positive")
-    try:
-        server = TrunkServer(
-            opts,
-            secret_key=sec.encode() if sec else None,
-            public_key=pub.encode() if pub else None,
-            allowed=allowed,
+    if (
+        opts.max_sessions < 1
+        or opts.max_sessions_per_client < 1
+        or opts.session_ttl_s <= 0
+        or opts.max_cache_gb <= 0
+    ):
+        raise CliError(
+            "--max-sessions, --max-sessions-per-client, --session-ttl and --max-cache-gb "
+            "must be positive"
         )
+    from remote.cluster.options import from_args
+
+    try:
+        cluster = from_args(args)
+        keys: dict[str, Any] = {
+            "secret_key": sec.encode() if sec else None,
+            "public_key": pub.encode() if pub else None,
+            "allowed": allowed,
+        }
+        server = TrunkServer(opts, **keys) if cluster is None else _gateway(opts, cluster, keys)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
@@ -376,6 +484,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
+def _gateway(opts: Any, cluster: Any, keys: dict[str, Any]) -> Any:
+    """The --ray gateway (Ray is imported only here, from the optional veil[cluster] extra)."""
+    try:
+        from remote.cluster.gateway import ClusterError, GatewayServer
+    except ImportError as exc:
+        raise CliError(f"--ray needs Ray: pip install 'veil[cluster]' ({exc})") from None
+    try:
+        return GatewayServer(opts, cluster, **keys)
+    except ClusterError as exc:
+        raise CliError(str(exc)) from None
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     d = args.keys or default_keys_dir()
     pub = keygen(d, args.force)
@@ -384,18 +504,29 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _the_key(args: argparse.Namespace) -> str:
+    key = args.key_option if args.key_option is not None else args.key
+    if args.key_option is not None and args.key is not None:
+        raise CliError("give one client public key")
+    if key is None:
+        raise CliError("give the client's public key (40 characters; quote it)")
+    return str(key)
+
+
 def cmd_allow(args: argparse.Namespace) -> int:
     d = args.keys or default_keys_dir()
-    added = allow(d, args.key, args.name)
-    print(("allowed " if added else "already allowed ") + args.key.strip())
+    key = _the_key(args)
+    added = allow(d, key, args.name)
+    print(("allowed " if added else "already allowed ") + key.strip())
     return 0
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
     d = args.keys or default_keys_dir()
-    if not revoke(d, args.key):
+    key = _the_key(args)
+    if not revoke(d, key):
         raise CliError("that key is not on the allow-list")
-    print(f"revoked {args.key.strip()} (open sessions end when they reconnect)")
+    print(f"revoked {key.strip()} (a running server closes its sessions within seconds)")
     return 0
 
 
@@ -410,8 +541,35 @@ def cmd_invite(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import zmq
+
+    from remote import loadtest as L
+    from remote.loadtest_cli import resolve_target
+    from remote.status import format_status
+
+    target = resolve_target(args, args.server)
+    ctx = zmq.Context()
+    try:
+        stats = L.server_stats(ctx, target, 10.0)
+    except L.LoadTestError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        ctx.destroy(0)
+    print(json.dumps(stats, indent=1) if args.json else format_status(stats, target.address))
+    return 0
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from remote.loadtest_cli import run
+
+    return run(args)
+
+
 COMMANDS = {
     "serve": cmd_serve,
+    "loadtest": cmd_loadtest,
+    "status": cmd_status,
     "keygen": cmd_keygen,
     "allow": cmd_allow,
     "revoke": cmd_revoke,
@@ -421,7 +579,7 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(protect_dash_keys(sys.argv[1:] if argv is None else argv))
     level = logging.WARNING if args.quiet else logging.INFO - 10 * min(args.verbose, 1)
     logging.basicConfig(
         level=level,

@@ -5,25 +5,26 @@ Threads:
 * the *socket thread* (:meth:`TrunkServer.serve`) owns the ROUTER socket. It decodes and
   validates every message, answers pings, opens/closes sessions, checks ownership and step
   order, reaps idle sessions, and hands steps to the worker. It never runs tensor math, so
-  heartbeats and other clients stay responsive while a long block is computed.
-* the *worker thread* runs the layer math, one step at a time, and sends the reply frames back
-  to the socket thread over an inproc PAIR socket (ZeroMQ sockets are single-threaded).
+  heartbeats and other clients stay responsive while a long block is computed. Who may talk
+  and who a reply may reach (revocation, routing-id binding) is ``remote.gate``.
+* the *worker* (:class:`remote.worker.TrunkWorker`, socket-free) owns the sessions' KV caches
+  and runs queued steps in batches on its own thread; its answers come back through
+  :meth:`TrunkServer._done`, which sends the reply frames to the socket thread over an inproc
+  PAIR socket (ZeroMQ sockets are single-threaded).
 
-Weights for [M, L - M) are read once; each session gets its own :class:`LayerStack` over the
-sub-range it asked for, sharing the weight tensors, with its own KV cache.
+Weights for [M, L - M) are read once (split into stages when there are several devices); each
+session gets caches over the sub-range it asked for, sharing the weight tensors.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import zmq
@@ -31,12 +32,29 @@ import zmq
 from engine import protocol as P
 from engine.config import ModelConfig
 from engine.loading import WeightReader, load_config, resolve, weights_fingerprint
-from engine.model import LayerStack, LayerWeights, layer_tensor_names
-from engine.split import read_layers
+from engine.model import layer_tensor_names
+from engine.quant.load import client_reader, resolve_quant
+from remote.gate import HOLD, SEND, ConnectionGate
+from remote.stages import Stage, load_stages, parse_devices, split_layers
+from remote.worker import Done, Job, TrunkWorker, WorkerOptions
 
 log = logging.getLogger("veil.trunk")
 
 INITIAL_CAPACITY = 64
+MAX_IN_FLIGHT = 4  # accepted-but-unanswered steps one session may have queued
+
+
+class Backend(Protocol):
+    """What the socket thread needs from the compute behind it: :class:`TrunkWorker` in one
+    process, or the Ray gateway's router over replicas (``remote/cluster/router.py``)."""
+
+    def slot_bytes(self, start: int, end: int) -> int: ...
+    def open(self, sid: str, start: int, end: int, capacity: int) -> None: ...
+    def close(self, sid: str) -> None: ...
+    def submit(self, job: Job) -> None: ...
+    def start(self) -> None: ...
+    def stop(self, timeout: float = 5.0) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -45,12 +63,19 @@ class ServerOptions:
     bind: str = "tcp://127.0.0.1:5757"
     min_local_layers: int = 1
     max_sessions: int = 8
+    max_sessions_per_client: int = 2  # per CURVE key (per connection when insecure)
     session_ttl_s: float = 600.0
     max_cache_gb: float = 4.0
     device: str = "cpu"
     dtype: str = "float32"
     insecure: bool = False
     max_context: int | None = None  # None: the model's max_position_embeddings
+    devices: str | None = None  # "cuda:0,cuda:1": layers split into stages (None: `device`)
+    stage_layers: list[int] | None = None  # layers per stage (None: by free memory)
+    max_batch_rows: int = 256
+    prefill_chunk: int = 256
+    batching: bool = True
+    quant: str = "none"  # trunk matrices on CPU: auto (GGUF kept quantized), none, int8, int4
 
 
 @dataclass
@@ -58,7 +83,6 @@ class Session:
     sid: str
     owner: bytes  # ROUTER identity of the connection that opened it
     user: str  # CURVE public key of that connection ("" when insecure)
-    stack: LayerStack
     dtype: str  # wire dtype
     max_context: int
     last_step: int = -1  # last step accepted (queued or done)
@@ -102,9 +126,10 @@ class TrunkServer:
         self.allowed = allowed
         from engine.session import parse_dtype
 
-        self.dtype = parse_dtype(opts.dtype)
+        self.dtype = parse_dtype(opts.dtype, opts.device)
         self.device = torch.device(opts.device)
         resolved = resolve(opts.model, progress)
+        self.resolved = resolved
         self.model_name = resolved.name
         self.config: ModelConfig = load_config(resolved.folder)
         n = self.config.n_layers
@@ -113,23 +138,48 @@ class TrunkServer:
             raise ValueError(f"--min-local-layers must be between 1 and {(n - 1) // 2}, got {m}")
         self.lo, self.hi = m, n - m
         self.reader = WeightReader(resolved.folder)
-        log.info("loading layers [%d, %d) of %s", self.lo, self.hi, resolved.name)
-        self.layers: dict[int, LayerWeights] = read_layers(
-            self.reader, self.config, range(self.lo, self.hi), self.dtype, self.device
-        )
         self.config_fp = self.config.fingerprint()
         self._weights_fp: dict[tuple[int, int], str] = {}
         self.max_context = opts.max_context or self.config.max_position_embeddings
         self.cache_cap = int(opts.max_cache_gb * (1 << 30))
         self.sessions: dict[str, Session] = {}
         self.lock = threading.Lock()
-        self.jobs: queue.Queue[tuple[Session, P.Step, float] | None] = queue.Queue()
+        self.worker: Backend = self._make_worker()
+        self._out: zmq.Socket | None = None  # the worker thread's end of the reply PAIR
         self.ctx = zmq.Context()
         self._stop = threading.Event()
         self.address = ""
         self.ready = threading.Event()
         self.auth: Any = None
         self.stats = {"steps": 0, "errors": 0, "opened": 0}
+        # socket thread: binds routing ids to CURVE keys, says where replies may go
+        self.gate = ConnectionGate(
+            allowed, opts.insecure, MAX_IN_FLIGHT * max(opts.max_sessions_per_client, 1)
+        )
+
+    def _make_worker(self) -> Backend:
+        """What computes the steps: the trunk layers, read once, and a batching worker over them.
+        (The Ray gateway, ``remote/cluster/gateway.py``, returns a router over replicas.)"""
+        opts = self.opts
+        devices = parse_devices(opts.devices or opts.device)
+        plan = split_layers(self.lo, self.hi, devices, opts.stage_layers)
+        log.info("loading layers [%d, %d) of %s", self.lo, self.hi, self.model_name)
+        cpu_only = all(d.type == "cpu" for d, _, _ in plan)
+        quant = resolve_quant(opts.quant, self.resolved) if cpu_only else "none"
+        reader = client_reader(self.reader, self.resolved, self.config, quant)
+        self.stages: list[Stage] = load_stages(reader, self.config, plan, self.dtype)
+        return TrunkWorker(
+            self.config,
+            self.stages,
+            self.dtype,
+            WorkerOptions(
+                max_batch_rows=opts.max_batch_rows,
+                prefill_chunk=opts.prefill_chunk,
+                batching=opts.batching,
+                max_context=self.max_context,
+            ),
+            self._done,
+        )
 
     # ------------------------------------------------------------------ helpers
 
@@ -147,6 +197,23 @@ class TrunkServer:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def public_stats(self) -> dict[str, Any]:
+        """What any allowed client may learn: the model and layers served, the batching
+        settings and the worker's counters (aggregates only, nothing per session)."""
+        with self.lock:
+            n = len([s for s in self.sessions.values() if not s.closed])
+        return {
+            "model": self.model_name,
+            "config_fp": self.config_fp,
+            "hidden_size": self.config.hidden_size,
+            "n_layers": self.config.n_layers,
+            "layers": [self.lo, self.hi],
+            "max_context": self.max_context,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "sessions": n,
+            **self.worker.stats(),
+        }
 
     # ------------------------------------------------------------------ socket thread
 
@@ -175,6 +242,7 @@ class TrunkServer:
             sock.curve_publickey = self.public_key
         sock.bind(self.opts.bind)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.gate.attach(sock)
         return sock
 
     def callback(self, domain: str, key: bytes) -> bool:
@@ -193,8 +261,7 @@ class TrunkServer:
         sock = self._setup_socket()
         back = self.ctx.socket(zmq.PAIR)
         back.bind(f"inproc://veil-worker-{id(self)}")
-        worker = threading.Thread(target=self._worker, name="veil-trunk-worker", daemon=True)
-        worker.start()
+        self.worker.start()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(back, zmq.POLLIN)
@@ -209,7 +276,7 @@ class TrunkServer:
                             frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._send(sock, frames)
+                        self._deliver(sock, frames)
                 if sock in events:
                     for _ in range(64):
                         try:
@@ -222,9 +289,11 @@ class TrunkServer:
                     self._reap(now)
                     last_reap = now
         finally:
-            self.jobs.put(None)
-            worker.join(timeout=5)
+            self.worker.stop()
+            if self._out is not None:
+                self._out.close(0)
             back.close(0)
+            self.gate.detach(sock)
             sock.close(0)
             if self.auth is not None:
                 self.auth.stop()
@@ -253,6 +322,20 @@ class TrunkServer:
         log.debug("error %s: %s", code, message)
         self._reply(sock, ident, P.Error(code, message, session, step))
 
+    def _deliver(self, sock: zmq.Socket, frames: list[Any]) -> None:
+        """Push a worker reply ([routing id, *message]) where the gate allows (held: sent when
+        the id's key speaks again; it also stays cached for a retry of the step)."""
+        ident = bytes(frames[0].bytes) if isinstance(frames[0], zmq.Frame) else bytes(frames[0])
+        verdict = self.gate.route(ident)
+        if verdict == SEND:
+            self._send(sock, frames)
+        elif verdict == HOLD:
+            self.gate.hold(ident, frames)
+
+    def _owns_sessions(self, ident: bytes) -> bool:
+        with self.lock:
+            return any(s.owner == ident for s in self.sessions.values())
+
     def _owned(self, sid: str, ident: bytes, user: str) -> Session | None:
         with self.lock:
             s = self.sessions.get(sid)
@@ -271,6 +354,12 @@ class TrunkServer:
                 user = frames[1].get("User-Id") or ""
             except Exception:
                 user = ""
+        refusal = self.gate.admit(ident, user, self._owns_sessions)
+        if refusal is not None:
+            self._error(sock, ident, P.E_DENIED, refusal)
+            return
+        for held in self.gate.take_held(ident):
+            self._send(sock, held)
         try:
             msg = P.decode(frames[1:])
         except P.ProtocolError as exc:
@@ -284,9 +373,10 @@ class TrunkServer:
             pong = P.Pong(msg.nonce)
             if msg.session:
                 s = self._owned(msg.session, ident, user)
-                if s is not None:
-                    s.last_used = time.monotonic()
+                if s is not None:  # a ping does not keep a session alive: only steps do
                     pong = P.Pong(msg.nonce, True, s.last_step, s.in_flight > 0)
+            if msg.stats:
+                pong.stats = self.public_stats()
             self._reply(sock, ident, pong)
         elif isinstance(msg, P.Open):
             self._open(sock, ident, user, msg)
@@ -334,26 +424,19 @@ class TrunkServer:
                 f"the trunk weights of this server's {self.model_name} differ from the client's",
             )
             return
+        if not self._make_room_for(sock, ident, user):
+            return
+        slot_bytes = self.worker.slot_bytes(m.start, m.end)
+        busy = self._admit(slot_bytes)
+        if busy is not None:
+            self._error(sock, ident, P.E_BUSY, busy)
+            return
         with self.lock:
             n = len([s for s in self.sessions.values() if not s.closed])
-        if n >= self.opts.max_sessions:
-            self._error(sock, ident, P.E_BUSY, f"server busy: {n} sessions open (the limit)")
-            return
-        stack = LayerStack(
-            self.config,
-            m.start,
-            [self.layers[i] for i in range(m.start, m.end)],
-            dtype=self.dtype,
-            device=self.device,
-            capacity=INITIAL_CAPACITY,
-        )
-        if self.cache_bytes() + stack.cache.nbytes() > self.cache_cap:  # (before it counts)
-            self._error(sock, ident, P.E_BUSY, "server busy: the KV-cache memory cap is reached")
-            return
         sid = secrets.token_hex(12)
-        slot_bytes = stack.cache.nbytes() // stack.cache.capacity
-        s = Session(sid, ident, user, stack, m.dtype, min(m.max_context, self.max_context))
-        s.capacity, s.slot_bytes = stack.cache.capacity, slot_bytes
+        self.worker.open(sid, m.start, m.end, INITIAL_CAPACITY)
+        s = Session(sid, ident, user, m.dtype, min(m.max_context, self.max_context))
+        s.capacity, s.slot_bytes = INITIAL_CAPACITY, slot_bytes
         with self.lock:
             self.sessions[sid] = s
         self.stats["opened"] += 1
@@ -367,6 +450,34 @@ class TrunkServer:
         )
         self._reply(sock, ident, P.Opened(sid, m.start, m.end, s.max_context, str(self.dtype)))
 
+    def _make_room_for(self, sock: zmq.Socket, ident: bytes, user: str) -> bool:
+        """Per-client cap (per key; per connection when insecure): at the cap, close the key's
+        least recently stepped idle session of *another* connection (a reconnected client left
+        it; it replays if it comes back), else refuse the open as busy."""
+        cap = self.opts.max_sessions_per_client
+        with self.lock:
+            mine = [
+                s
+                for s in self.sessions.values()
+                if not s.closed and (s.owner == ident if self.opts.insecure else s.user == user)
+            ]
+        if len(mine) < cap:
+            return True
+        spare = [s for s in mine if s.owner != ident and s.in_flight == 0]
+        if len(mine) - len(spare) >= cap:
+            self._error(
+                sock,
+                ident,
+                P.E_BUSY,
+                f"server busy: this computer already has {len(mine)} sessions open "
+                f"(the per-client limit is {cap})",
+            )
+            return False
+        spare.sort(key=lambda s: s.last_used)
+        for s in spare[: len(mine) - cap + 1]:
+            self._drop(s, "closed: its client opened a newer one (per-client limit)")
+        return True
+
     def _step(self, sock: zmq.Socket, ident: bytes, user: str, m: P.Step) -> None:
         s = self._owned(m.session, ident, user)
         if s is None:
@@ -377,6 +488,10 @@ class TrunkServer:
             if s.in_flight == 0 and s.reply:
                 self._send(sock, [ident, *s.reply])
             return  # still computing: its reply is on the way
+        if s.in_flight >= MAX_IN_FLIGHT:
+            msg = f"server busy: {s.in_flight} steps of this session are still being computed"
+            self._error(sock, ident, P.E_BUSY, msg, m.session, m.step)
+            return
         if m.step != s.last_step + 1:
             self._error(
                 sock,
@@ -443,7 +558,7 @@ class TrunkServer:
         while cap < length:
             cap *= 2
         grow = (cap - s.capacity) * s.slot_bytes
-        if grow > 0 and self.cache_bytes() + grow > self.cache_cap:
+        if grow > 0 and not self._can_grow(s, grow):
             self._error(
                 sock,
                 ident,
@@ -458,91 +573,78 @@ class TrunkServer:
             s.last_step = m.step
             s.in_flight += 1
             s.reply = []
-        self.jobs.put((s, m, time.perf_counter()))
+        self.worker.submit(
+            Job(
+                s.sid,
+                m.step,
+                m.positions,
+                m.parents,
+                m.keep,
+                m.hidden,
+                m.want,
+                P.WIRE_DTYPES[m.dtype],
+                tag=s,
+            )
+        )
+
+    def _admit(self, slot_bytes: int) -> str | None:
+        """Why a new session over ``slot_bytes`` per token cannot open now (None: it can). The
+        gateway overrides this to pick a replica."""
+        with self.lock:
+            n = len([s for s in self.sessions.values() if not s.closed])
+        if n >= self.opts.max_sessions:
+            return f"server busy: {n} sessions open (the limit)"
+        if self.cache_bytes() + INITIAL_CAPACITY * slot_bytes > self.cache_cap:
+            return "server busy: the KV-cache memory cap is reached"
+        return None
+
+    def _can_grow(self, s: Session, grow: int) -> bool:
+        """May session ``s``'s cache grow by ``grow`` bytes under the memory cap?"""
+        return self.cache_bytes() + grow <= self.cache_cap
 
     def _drop(self, s: Session, why: str) -> None:
         s.closed = True
         with self.lock:
             self.sessions.pop(s.sid, None)
+        self.worker.close(s.sid)
         log.info("session %s %s", s.sid[:8], why)
 
     def _reap(self, now: float) -> None:
+        """Drop sessions without a step for the TTL (pings do not count) and revoked keys'."""
         with self.lock:
-            idle = [
-                s
-                for s in self.sessions.values()
-                if s.in_flight == 0 and now - s.last_used > self.opts.session_ttl_s
-            ]
-        for s in idle:
-            self._drop(s, f"expired after {self.opts.session_ttl_s:g} s idle")
+            live = list(self.sessions.values())
+        ttl = self.opts.session_ttl_s
+        for s in live:
+            if s.in_flight == 0 and now - s.last_used > ttl:
+                self._drop(s, f"expired after {ttl:g} s idle (no step)")
+        revoked = {u for u in {s.user for s in live} if not self.gate.key_allowed(u)}
+        for s in live:
+            if s.user in revoked and not s.closed:
+                self._drop(s, "closed: its key was revoked")
+        with self.lock:
+            owners = {s.owner for s in self.sessions.values()}
+        self.gate.forget_except(owners)
 
     # ------------------------------------------------------------------ worker thread
 
-    def _worker(self) -> None:
-        out = self.ctx.socket(zmq.PAIR)
-        out.connect(f"inproc://veil-worker-{id(self)}")
-        try:
-            while True:
-                job = self.jobs.get()
-                if job is None:
-                    return
-                s, m, t_in = job
-                try:
-                    frames = self._compute(s, m, t_in)
-                except Exception as exc:  # never kill the worker
-                    log.exception("step failed")
-                    frames = P.encode(
-                        P.Error(P.E_INTERNAL, f"step failed on the server: {exc}", s.sid, m.step)
-                    )
-                    self._drop(s, "dropped after an internal error")
-                with self.lock:
-                    s.reply = frames if _is_result(frames) else []
-                    s.in_flight -= 1
-                    s.last_used = time.monotonic()
-                out.send_multipart([s.owner, *frames], copy=False)
-        finally:
-            out.close(0)
-
-    def _compute(self, s: Session, m: P.Step, t_in: float) -> list[Any]:
-        if s.closed:
-            return P.encode(P.Error(P.E_UNKNOWN_SESSION, "no such session", s.sid, m.step))
-        t0 = time.perf_counter()
-        pos = torch.tensor(m.positions, dtype=torch.long)  # [B]
-        with torch.inference_mode():
-            y = s.stack.forward(m.hidden, pos, m.parents, m.keep)  # [B, H]
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            out = y.to(device="cpu", dtype=P.WIRE_DTYPES[m.dtype]) if m.want else None  # [B, H]
-        ms = (time.perf_counter() - t0) * 1000.0
-        self.stats["steps"] += 1
-        return P.encode(P.Result(s.sid, m.step, ms, out, (t0 - t_in) * 1000.0))
-
-
-def _is_result(frames: list[Any]) -> bool:
-    import msgpack
-
-    try:
-        h = msgpack.unpackb(bytes(frames[0]), raw=False)
-        return bool(h.get("t") == P.RESULT)
-    except Exception:
-        return False
-
-
-def read_allow_list(path: Path) -> set[str]:
-    """Client public keys (z85, 40 chars), one per line, optionally followed by whitespace and a
-    note; other lines (e.g. '# comment') are ignored."""
-    keys: set[str] = set()
-    if not path.is_file():
-        return keys
-    for line in path.read_text().splitlines():
-        k = line_key(line)
-        if k:
-            keys.add(k)
-    return keys
-
-
-def line_key(line: str) -> str | None:
-    """The key on one allow-list line, or None for comments and blank lines."""
-    parts = line.split()
-    # a z85 key may start with '#', so a comment is any line whose first word is not a key
-    return parts[0] if parts and len(parts[0]) == 40 else None
+    def _done(self, d: Done) -> None:
+        """The worker's answer to one step (called on the worker's thread): reply frames to the
+        socket thread, and the session's retry cache and in-flight count."""
+        s: Session = d.job.tag
+        if d.error is None:
+            frames = P.encode(P.Result(s.sid, d.job.step, d.server_ms, d.hidden, d.queue_ms))
+            self.stats["steps"] += 1
+        else:
+            code, message = d.error
+            frames = P.encode(P.Error(code, message, s.sid, d.job.step))
+            if code != P.E_UNKNOWN_SESSION and not s.closed:
+                # its cache no longer matches what the socket thread booked: start afresh
+                self._drop(s, f"dropped after a failed step ({code})")
+        with self.lock:
+            s.reply = frames if d.error is None else []
+            s.in_flight -= 1
+            s.last_used = time.monotonic()
+        if self._out is None:
+            self._out = self.ctx.socket(zmq.PAIR)
+            self._out.connect(f"inproc://veil-worker-{id(self)}")
+        self._out.send_multipart([s.owner, *frames], copy=False)

@@ -36,7 +36,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def audit(tiny: Path) -> dict[str, Any]:
-    return run_audit(str(tiny), [1, 2], None, quick=True, save=False, seed=3)
+    return run_audit(str(tiny), [1], None, quick=True, save=False, seed=3)  # k=2 of 4: local
 
 
 def _row(res: dict[str, Any], k: int, attack: str, side: str) -> dict[str, Any]:
@@ -94,7 +94,7 @@ def test_train_test_split_is_by_document(audit: dict[str, Any]) -> None:
 
 
 def test_deterministic_for_a_seed(tiny: Path, audit: dict[str, Any]) -> None:
-    again = run_audit(str(tiny), [1, 2], None, quick=True, save=False, seed=3)
+    again = run_audit(str(tiny), [1], None, quick=True, save=False, seed=3)
     for key in ("results", "noise", "data"):
         assert json.dumps(again[key], sort_keys=True) == json.dumps(audit[key], sort_keys=True)
 
@@ -119,7 +119,14 @@ def test_cli_quick_writes_outputs_and_store(
     assert store.results_dir(res["model"]).is_relative_to(tmp_path / "data")
 
 
-@pytest.mark.parametrize("ks", ["0", "1,x", "9"])
+def test_a_fully_local_depth_is_never_audited(tiny: Path) -> None:
+    """k = L/2 runs every layer here and sends nothing: there is nothing to measure."""
+    with pytest.raises(SplitError, match="between 1 and 1") as err:
+        run_audit(str(tiny), [1, 2], None, quick=True, save=False)
+    assert "nothing is sent" in str(err.value)
+
+
+@pytest.mark.parametrize("ks", ["0", "1,x", "9", "2"])
 def test_cli_bad_depths_are_one_line_errors(
     tiny: Path, ks: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -67,7 +67,10 @@ def test_bench_writes_results_and_plots(tmp_path: Path, capsys: pytest.CaptureFi
         # sequential: one round trip per token (the prefill makes the first)
         assert p["sequential"]["round_trips"] == len(p["sequential"]["token_ids"])
     s = res["summary"]
-    assert set(s) == {"tokens_per_round_trip", "decode_tok_s", "speedup", "all_identical"}
+    assert set(s) == {
+        *("tokens_per_round_trip", "decode_tok_s", "speedup", "all_identical"),
+        "draft_ms_per_round",
+    }
     assert set(s["tokens_per_round_trip"]) == {"sequential", "speculative"}
     assert s["tokens_per_round_trip"]["sequential"] == 1.0
     assert s["all_identical"] is True

@@ -17,6 +17,7 @@ from app.core.tasks import InlineExecutor
 from engine.chat import prompt_ids
 from engine.errors import VeilError
 from engine.generate import generate
+from engine.protocol import make_invite
 from engine.sampling import SamplingParams
 from engine.session import RunnerOptions, open_runner
 from engine.split import load_client
@@ -38,6 +39,7 @@ def make_app(tiny: Path, data: Path, k: int = 1, max_tokens: int = 12) -> AppCon
         local_layers=k,
         max_tokens=max_tokens,
         system_prompt="",
+        repetition_penalty=1.0,  # replies are compared with the engine's plain greedy run
     )
     app = AppController(InlineExecutor(), data, settings=s)
     app.save_settings()
@@ -246,9 +248,13 @@ def test_conversation_list_ops_and_first_run_choice(tiny: Path, tmp_path: Path) 
     assert app.chat.current is None and [c.id for c in app.store.conversations()] == [a]
     with pytest.raises(VeilError, match="invite"):
         app.choose_server("   ")
-    app.choose_server(" veil1:abc ")
-    assert Settings.load(app.store).invite == "veil1:abc"
-    assert (app.host.mode, app.host.invite) == ("server", "veil1:abc")
+    with pytest.raises(VeilError, match="damaged"):  # refused before anything changes
+        app.choose_server(" veil1:abc ")
+    assert app.settings.mode == MODE_IN_PROCESS and Settings.load(app.store).invite == ""
+    code = make_invite("tcp://10.0.0.7:5757", "x" * 40)
+    app.choose_server(f" {code} ")
+    assert Settings.load(app.store).invite == code
+    assert (app.host.mode, app.host.invite) == ("server", code)
     app.choose_demo()
     assert Settings.load(app.store).mode == "demo" and Settings.load(app.store).first_run_done
     app.close()
@@ -314,3 +320,108 @@ def test_default_model_shows_the_shipped_audit_until_the_user_runs_one(
     save_results(own)
     assert audit_info.figure(DEFAULT_MODEL, 2).top1 == 0.5  # the user's own audit wins
     assert audit_info.figure("some-other-model", 2).top1 is None
+
+
+def test_privacy_words_never_contradict_the_split() -> None:
+    """Fully local (k >= L/2) always reads "None" with no figure; otherwise one word and one
+    sentence follow the audit's worst case, and the welcome text repeats the same sentence."""
+    from app.core.audit_info import AuditFigure
+    from app.core.privacy import describe, fully_local, welcome_text
+
+    assert [k for k in range(1, 16) if fully_local(30, k)] == [15]
+    assert [k for k in range(1, 4) if fully_local(5, k)] == [3]
+    old = AuditFigure(15, 0.87, "mlp (input)", "2026-12-01")  # an old audit measured k=15
+    v = describe(30, 15, old)
+    assert (v.level, v.local, v.audited) == ("None", True, False)
+    assert "%" not in v.figure + v.caption and "87" not in v.figure + v.caption
+    assert "nothing you type is sent" in welcome_text(v)
+    for top1, word in ((0.994, "High"), (0.3, "Medium"), (0.02, "Low")):
+        v = describe(30, 2, AuditFigure(2, top1, "known_weights (input)", "2026-12-02"))
+        assert v.level == word and v.sentence and "2026-12-02" in v.caption
+        assert v.sentence[1:] in welcome_text(v)
+    v = describe(30, 5, AuditFigure(5, None, "", "2026-12-02"))
+    assert v.level == "Unknown" and "%" not in v.figure and "not been audited" in v.sentence
+    assert describe(None, 2, None).level == "Unknown"  # still loading: no claim either way
+
+
+def test_audit_depths_time_estimate_and_wording() -> None:
+    from app.core import audit_info as ai
+
+    assert ai.audit_depths(30, 15) == [1, 2, 3, 4, 6, 8]  # nothing is sent at 15
+    assert ai.audit_depths(30, 14) == [1, 2, 3, 4, 6, 8, 14]
+    assert ai.audit_depths(6, 3) == [1, 2] and ai.audit_depths(2, 1) == []
+    ks = [1, 2, 3]
+    base = ai.estimate_seconds(ks, 135e6)
+    assert ai.estimate_seconds(ks, 270e6) == pytest.approx(2 * base)
+    assert ai.estimate_seconds(ks, 135e6, (100.0, ks)) == pytest.approx(100.0)  # this machine
+    assert ai.estimate_seconds([1, 2, 3, 4], 135e6, (100.0, ks)) > 100.0
+    assert ai.human_duration(44) == "about 40 seconds"
+    assert ai.human_duration(250) == "about 4 minutes"
+    assert ai.human_duration(4000) == "about 1 hour 7 minutes"
+    assert ai.elapsed_text(222) == "3 min 42 s" and ai.elapsed_text(9.6) == "10 s"
+
+
+def test_problem_causes_and_reconnect_promise() -> None:
+    from app.core import problems as P
+    from app.core.engine_host import CONNECTED, NEEDS_SETUP, OFFLINE
+    from engine.errors import AuthError, ModelSpecError, TransportError
+
+    lost = TransportError("no answer from the server", hint="is it running?")
+    assert P.cause_of(lost, OFFLINE) == P.CONNECTION
+    assert P.explain(lost, OFFLINE).hint == "is it running? " + P.RECONNECTS
+    bad_invite = VeilError("the invite code is damaged")
+    assert P.cause_of(bad_invite, NEEDS_SETUP) == P.INVITE
+    assert P.explain(bad_invite, NEEDS_SETUP) is bad_invite  # never "reconnects by itself"
+    assert P.cause_of(ModelSpecError("no such model"), CONNECTED) == P.MODEL
+    assert P.cause_of(AuthError("key refused"), OFFLINE) == P.SETTINGS
+    restarting = TransportError("the built-in server stopped", hint="Veil is restarting it")
+    assert P.explain(restarting, OFFLINE) is restarting  # says it already
+    assert P.cause_of(VeilError("boom"), CONNECTED) == P.REPLY
+
+
+def test_invite_checks_and_damaged_stored_invite(tmp_path: Path) -> None:
+    from app.core.invite import invite_address, invite_problem
+
+    good = make_invite("tcp://10.0.0.7:5757", "k" * 40)
+    assert invite_problem(good) is None and invite_address(good) == "tcp://10.0.0.7:5757"
+    assert invite_problem("veil1:abc") == "the invite code is damaged"
+    assert "veil1:" in (invite_problem("hello") or "")
+    assert invite_problem("  ") and invite_address("veil1:abc") == ""
+    with pytest.raises(VeilError, match="damaged"):
+        Settings(mode="server", invite="veil1:abc").validate()
+    st = Store.open(tmp_path)
+    Settings(mode="server", invite="veil1:abc", theme="dark", font_size=14).save(st)
+    s = Settings.load(st)  # the other settings survive; connecting reports the code
+    assert (s.invite, s.theme, s.font_size) == ("veil1:abc", "dark", 14)
+    st.close()
+
+
+def test_line_breaks_chart_runs_and_continue(tiny: Path, tmp_path: Path) -> None:
+    from app.core.gauges import GaugeState
+    from app.core.markdown import keep_line_breaks
+
+    sig = "Kind regards,\nSam Patel\nOffice Manager"
+    assert keep_line_breaks(sig) == "Kind regards,\\\nSam Patel\\\nOffice Manager"
+    lists = "Items:\n- one\n- two\n\n1. a\n2. b"
+    assert keep_line_breaks(lists) == "Items:\n- one\n- two\n\n1. a\n2. b"
+
+    g = GaugeState()
+    g.begin_run()
+    g.record(10.0, now=100.0)
+    g.record(11.0, now=100.3)
+    g.begin_run()  # 20 s idle, then the next reply
+    g.record(9.0, now=120.0)
+    runs = g.last_minute_runs(now=121.0)
+    assert [len(r) for r in runs] == [2, 1] and runs[1][0] == (1.0, 9.0)
+
+    app = make_app(tiny, tmp_path, max_tokens=4)
+    assert app.chat.send("The quick brown fox")
+    first = app.chat.messages()[-1]
+    assert first.finish_reason == "length" and app.chat.can_continue()
+    assert app.chat.continue_reply()
+    msgs = app.chat.messages()
+    assert len(msgs) == 2 and msgs[-1].id == first.id
+    assert msgs[-1].content.startswith(first.content) and len(msgs[-1].content) > len(first.content)
+    app.chat.send("again")
+    assert app.chat.can_continue() == (app.chat.messages()[-1].finish_reason == "length")
+    app.close()

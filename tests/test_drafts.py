@@ -84,6 +84,17 @@ def test_recycling_expands_stored_successors() -> None:
     assert len(r.propose([3, 99], 4)) == 0
 
 
+def test_recycling_skips_rows_whose_logits_were_not_computed() -> None:
+    # the lazy LM head marks rows it never computed with ids -1 and probabilities 0
+    r = RecyclingDraft(k=2)
+    ids = torch.tensor([[11, 12], [-1, -1], [31, 32]])  # [B, k]
+    probs = torch.tensor([[0.9, 0.05], [0.0, 0.0], [0.6, 0.3]])  # [B, k]
+    r.learn([10, 11, 21], ids, probs)
+    assert r.children([3, 11], 1) == []  # nothing learned for 11: no token -1 proposed
+    assert [t for t, _, _ in r.children([3, 21], 1)] == [31, 32]
+    assert all(t >= 0 for t in r.propose([3, 10], 8).tokens)
+
+
 def test_recycling_lists_pair_and_single_successors() -> None:
     r = RecyclingDraft(k=2)
     # token 5 after 1 was followed by {7, 8}; token 5 after 2 (more recent) by {8, 9}
@@ -116,7 +127,7 @@ def test_merged_tree_is_valid_and_best_first(ctx: list[int], budget: int) -> Non
     g = torch.Generator().manual_seed(len(ctx))
     logits = torch.randn(len(ctx), 7, generator=g)  # [L, V]
     top = logits.softmax(-1).topk(4, dim=-1)  # [L, 4]
-    d.learn_prompt(ctx, top.indices, top.values)
+    rec.learn(ctx, top.indices, top.values)
     tree = d.propose(ctx, budget)
     _valid(tree, budget)
     pp = tree.path_probs()

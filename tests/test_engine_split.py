@@ -206,3 +206,17 @@ def test_split_plan_validation(tiny_llama: Path) -> None:
     client = load_client(str(tiny_llama), 1)
     with pytest.raises(SplitError, match="serves layers"):
         SplitRunner(client, load_trunk(str(tiny_llama), 1, 2))
+
+
+def test_warm_up_runs_under_a_label_and_leaves_nothing_behind(tiny_llama: Path) -> None:
+    seen: list[tuple[str, float]] = []
+    warm = load_client(str(tiny_llama), 1, progress=lambda s, f: seen.append((s, f)), warm_up=True)
+    assert ("preparing kernels", 0.0) in seen and seen[-1] == ("preparing kernels", 1.0)
+    assert warm.head.cache.length == 0 and warm.tail.cache.length == 0
+    cold = load_client(str(tiny_llama), 1)
+    ids, pos = [3, 7, 11, 5], [0, 1, 2, 3]
+    for c in (warm, cold):
+        c.reset()
+    a = SplitRunner(warm, load_trunk(warm.resolved, 1, 3)).forward(ids, pos)
+    b = SplitRunner(cold, load_trunk(cold.resolved, 1, 3)).forward(ids, pos)
+    assert torch.equal(a, b)

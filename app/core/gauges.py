@@ -40,26 +40,34 @@ def max_local_layers(cfg: ModelConfig) -> int:
     return (cfg.n_layers + 1) // 2
 
 
+# What the performance panel calls this app's memory (and the explanation beside it). It is
+# always more than "Model memory needed here", which counts only the model's weights.
+RSS_LABEL = "Veil's memory use now"
+VRAM_LABEL = "Graphics card memory in use"
+PEAK_LABEL = "Veil's highest memory use"
+MEMORY_NOTE = "The whole app: the model's weights, its working memory and the window."
+
+
 def process_memory_bytes(device: str = "cpu") -> tuple[int, str]:
-    """(bytes, label): VRAM allocated on CUDA, else this process's resident memory."""
+    """(bytes, label): VRAM allocated on CUDA, else this process's resident memory (RSS)."""
     if device.startswith("cuda"):
         import torch
 
-        return int(torch.cuda.memory_allocated()), "GPU memory (VRAM)"
+        return int(torch.cuda.memory_allocated()), VRAM_LABEL
     try:
         import psutil
 
-        return int(psutil.Process().memory_info().rss), "process memory (RSS)"
+        return int(psutil.Process().memory_info().rss), RSS_LABEL
     except ImportError:
         pass
     try:
         with open("/proc/self/statm") as f:
             pages = int(f.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE"), "process memory (RSS)"
+        return pages * os.sysconf("SC_PAGE_SIZE"), RSS_LABEL
     except (OSError, ValueError, IndexError):
         import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak memory"
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, PEAK_LABEL
 
 
 def human_bytes(n: float) -> str:
@@ -78,17 +86,38 @@ class GaugeState:
     tokens_per_round_trip: float | None = None
     rtt_ms: float | None = None
     memory_bytes: int | None = None
-    memory_label: str = "process memory (RSS)"
+    memory_label: str = RSS_LABEL
     connection: str = "Not started"
     generating: bool = False
-    history: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=600))
+    # (time, tokens/s, reply number): the chart joins points of one reply only
+    history: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=600))
+    run: int = 0
+
+    def begin_run(self) -> None:
+        """A new reply starts: its speed points are not joined to the previous reply's."""
+        self.run += 1
 
     def record(self, tok_s: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.tokens_per_s = tok_s
-        self.history.append((now, tok_s))
+        self.history.append((now, tok_s, self.run))
 
     def last_minute(self, now: float | None = None) -> list[tuple[float, float]]:
         """(seconds ago, tokens/s) points from the last 60 s, oldest first."""
         now = time.monotonic() if now is None else now
-        return [(now - t, v) for t, v in self.history if now - t <= 60.0]
+        return [(now - t, v) for t, v, _ in self.history if now - t <= 60.0]
+
+    def last_minute_runs(self, now: float | None = None) -> list[list[tuple[float, float]]]:
+        """The last minute's points as one list per reply, so a chart draws no line across
+        the idle time between replies."""
+        now = time.monotonic() if now is None else now
+        out: list[list[tuple[float, float]]] = []
+        last_run: int | None = None
+        for t, v, run in self.history:
+            if now - t > 60.0:
+                continue
+            if run != last_run:
+                out.append([])
+                last_run = run
+            out[-1].append((now - t, v))
+        return out

@@ -1,10 +1,12 @@
-"""Privacy audit details: every measured attack at every split depth, from the latest audit."""
+"""Privacy audit details: every measured attack at every split depth, from the latest audit,
+in plain words (the technical name of each attack is in its tooltip)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
@@ -16,18 +18,57 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+# (key in the results, column title, column tooltip)
 COLUMNS = (
-    ("k", "Setting"),
-    ("attack", "Attack"),
-    ("side", "Side"),
-    ("top1", "Words"),
-    ("top1_ci", "95% range"),
-    ("top5", "Top 5"),
-    ("pii_top1", "Personal data"),
+    ("k", "Layers here", "Layers kept on this computer at each end (the slider setting)"),
+    ("attack", "How the server tries", "The attack; its technical name is in its tooltip"),
+    ("side", "What it reads", "What the server works on"),
+    ("top1", "Words recovered", "Share of words guessed exactly (top-1 token recovery)"),
+    ("top1_ci", "Likely range", "95% bootstrap confidence interval of the share above"),
+    ("top5", "In 5 guesses", "The right word was among the attack's 5 guesses (top-5)"),
+    ("pii_top1", "Personal data", "Names, phone numbers, addresses and the like guessed exactly"),
 )
 
-
-ACRONYMS = {"mlp", "pii", "sipit", "knn", "lm"}
+# attack -> (plain name, technical description for the tooltip)
+ATTACKS = {
+    "prior": (
+        "Guessing common words",
+        "Frequency prior: the 5 most common training tokens everywhere (the floor)",
+    ),
+    "nearest_embedding": (
+        "Closest dictionary word",
+        "Nearest embedding: cosine similarity of the state to the embedding rows",
+    ),
+    "ridge": (
+        "Decoder trained on sample text",
+        "Learned per-position decoder: one-vs-all ridge regression over the training vocabulary",
+    ),
+    "ridge_embedding": (
+        "Decoder for unseen words",
+        "Ridge regression to the input embedding, then nearest embedding over the vocabulary",
+    ),
+    "mlp": (
+        "Neural-network decoder",
+        "Learned per-position decoder: a one-hidden-layer MLP",
+    ),
+    "known_weights": (
+        "Re-running the public model",
+        "Known-weights inversion (SipIt-style): candidates are run through the public head and "
+        "compared with the state this computer sent",
+    ),
+    "logit_lens": (
+        "Reading the next word early",
+        "Logit lens: final norm and LM head applied to the trunk output",
+    ),
+    "public_tail": (
+        "Finishing the model itself",
+        "Public tail layers and LM head run on the server's own output (reads the reply)",
+    ),
+}
+SIDES = {
+    "input": ("Your text", "What this computer sends: the state after the first layers"),
+    "output": ("The reply", "What the server returns: the trunk output, the reply's next word"),
+}
 
 
 def _pct(x: Any) -> str:
@@ -37,19 +78,29 @@ def _pct(x: Any) -> str:
         return "-"
 
 
-def _cell(key: str, row: dict[str, Any]) -> str:
+def attack_name(key: str) -> tuple[str, str]:
+    """(plain name, tooltip) of an attack; unknown ones keep a tidied technical name."""
+    if key in ATTACKS:
+        plain, tech = ATTACKS[key]
+        return plain, f"{tech} [{key}]"
+    text = key.replace("_", " ")
+    return text[:1].upper() + text[1:], key
+
+
+def _cell(key: str, row: dict[str, Any]) -> tuple[str, str]:
+    """(text, tooltip) of one cell."""
     v = row.get(key)
     if key in ("top1", "top5", "pii_top1"):
-        return _pct(v)
+        return _pct(v), ""
     if key == "top1_ci":
         if isinstance(v, list | tuple) and len(v) == 2:
-            return f"{_pct(v[0])} – {_pct(v[1])}"
-        return "-"
+            return f"{_pct(v[0])} – {_pct(v[1])}", ""
+        return "-", ""
     if key == "attack" and isinstance(v, str):
-        words = [w.upper() if w in ACRONYMS else w for w in v.split("_")]
-        text = " ".join(words)
-        return text[:1].upper() + text[1:]
-    return "-" if v is None else str(v)
+        return attack_name(v)
+    if key == "side" and isinstance(v, str):
+        return SIDES.get(v, (v, ""))
+    return ("-" if v is None else str(v)), ""
 
 
 class AuditDialog(QDialog):
@@ -60,23 +111,32 @@ class AuditDialog(QDialog):
         rows: list[dict[str, Any]],
         current_k: int,
         parent: QWidget | None = None,
+        fully_local: bool = False,
+        shipped: bool = False,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Privacy audit details")
-        self.resize(860, 520)
+        self.resize(1060, 560)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(20, 18, 20, 16)
         lay.setSpacing(10)
         title = QLabel("Privacy audit details")
         title.setObjectName("PaneTitle")
         lay.addWidget(title)
+        who = "by the Veil team" if shipped else "on this computer"
+        if fully_local:
+            now = (
+                f"At your current setting ({current_k}) the whole model runs on this computer "
+                "and nothing is sent, so there is nothing to audit; the rows show the settings "
+                "that use a server."
+            )
+        else:
+            now = f"Rows for your current setting ({current_k}) are in bold."
         if rows:
             text = (
-                f"Model {model}, audited {date}. Each row is one attack by someone who controls "
-                "the server and sees the numbers this computer sends. Setting = layers kept on "
-                "this computer at each end. Words = share of words guessed exactly; Top 5 = "
-                "the right word among 5 guesses; Personal data = names, phone numbers and the "
-                f"like guessed exactly. Rows for your current setting ({current_k}) are in bold."
+                f"Model {model}, audited {who} on {date}. Each row is one way someone who runs "
+                "the server could try to read your text from the numbers this computer sends. "
+                "Hover over a name for the technical details. " + now
             )
         else:
             text = (
@@ -89,25 +149,37 @@ class AuditDialog(QDialog):
         lay.addWidget(intro)
         self.table = QTableWidget(len(rows), len(COLUMNS))
         self.table.setAccessibleName("Audit results")
-        self.table.setHorizontalHeaderLabels([c[1] for c in COLUMNS])
+        for c, (_key, name, tip) in enumerate(COLUMNS):
+            head = QTableWidgetItem(name)
+            head.setToolTip(tip)
+            self.table.setHorizontalHeaderItem(c, head)
         self.table.verticalHeader().setVisible(False)
         self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
         self.table.setAlternatingRowColors(True)
+        self.bold_rows: list[int] = []
+        bold = QFont(self.table.font())  # the table's own font (size from the theme), bold
+        bold.setBold(True)
         for r, row in enumerate(rows):
-            bold = str(row.get("k")) == str(current_k)
-            for c, (key, _) in enumerate(COLUMNS):
-                item = QTableWidgetItem(_cell(key, row))
-                if c != 1:
+            current = not fully_local and str(row.get("k")) == str(current_k)
+            if current:
+                self.bold_rows.append(r)
+            for c, (key, _name, _tip) in enumerate(COLUMNS):
+                text, tip = _cell(key, row)
+                item = QTableWidgetItem(text)
+                if tip:
+                    item.setToolTip(tip)
+                if c not in (1, 2):
                     item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
-                if bold:
-                    f = item.font()
-                    f.setBold(True)
-                    item.setFont(f)
+                if current:
+                    item.setFont(bold)
                 self.table.setItem(r, c, item)
         head = self.table.horizontalHeader()
         head.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        head.setSectionResizeMode(1, QHeaderView.ResizeMode.Stretch)
+        head.setStretchLastSection(True)
+        if self.bold_rows:  # open at the current setting's rows, so the bold is in sight
+            first = self.table.item(self.bold_rows[0], 0)
+            self.table.scrollToItem(first, QTableWidget.ScrollHint.PositionAtTop)
         self.table.setVisible(bool(rows))
         lay.addWidget(self.table, 1)
         if not rows:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QKeyEvent
+from PySide6.QtGui import QKeyEvent, QResizeEvent
 from PySide6.QtWidgets import (
     QComboBox,
-    QFileDialog,
     QHBoxLayout,
     QLabel,
     QPlainTextEdit,
@@ -16,14 +15,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.core import problems
 from app.core.chat import ChatController
-from app.core.engine_host import OFFLINE
 from app.core.settings import PRESETS
 from app.core.storage import Message
+from app.views import export
 from app.views.elided_label import ElidedLabel
 from app.views.error_banner import ErrorBanner
 from app.views.message_widget import MessageWidget
-from app.views.theme import icon
+from app.views.theme import set_icon
 from engine.errors import VeilError
 
 EXAMPLES = (
@@ -34,9 +34,14 @@ EXAMPLES = (
 
 
 class Composer(QPlainTextEdit):
-    """Message box: Ctrl+Enter sends (Enter alone makes a new line)."""
+    """Message box: Ctrl+Enter sends (Enter alone makes a new line); Tab moves to the next
+    control, as everywhere else in the window."""
 
     submit = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setTabChangesFocus(True)
 
     def keyPressEvent(self, e: QKeyEvent) -> None:
         enter = e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
@@ -47,6 +52,8 @@ class Composer(QPlainTextEdit):
 
 
 class ChatView(QWidget):
+    settings_requested = Signal()
+
     def __init__(self, chat: ChatController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.chat = chat
@@ -64,24 +71,30 @@ class ChatView(QWidget):
         bar.addWidget(self.title, 1)
         style_label = QLabel("Assistant style:")
         style_label.setObjectName("Muted")
+        self.style_label = style_label
         bar.addWidget(style_label)
         self.preset = QComboBox()
-        self.preset.setAccessibleName("Assistant style (system prompt)")
+        self.preset.setAccessibleName("Assistant style")
+        self.preset.setToolTip("How the assistant answers in this chat")
         for name, prompt in PRESETS.items():
             self.preset.addItem(name, prompt)
-        self.preset.addItem("Custom", None)
+        self.preset.addItem("Custom…", None)
         style_label.setBuddy(self.preset)
         self.preset.currentIndexChanged.connect(self._preset_changed)
         bar.addWidget(self.preset)
-        self.export_button = QPushButton(icon("export"), "Export")
+        self.export_button = QPushButton("Export")
+        set_icon(self.export_button, "export")
         self.export_button.setAccessibleName("Export this chat")
-        self.export_button.setToolTip("Save this chat as Markdown or JSON")
+        self.export_button.setToolTip("Save this chat as a file (formatted text or data)")
         self.export_button.clicked.connect(self.export)
         bar.addWidget(self.export_button)
         outer.addLayout(bar)
         self.system_edit = QPlainTextEdit()
-        self.system_edit.setAccessibleName("Custom system prompt")
-        self.system_edit.setPlaceholderText("Describe how the assistant should answer…")
+        self.system_edit.setTabChangesFocus(True)
+        self.system_edit.setAccessibleName("Your own assistant style")
+        self.system_edit.setPlaceholderText(
+            "Describe how the assistant should answer, e.g. “answer in German, briefly”…"
+        )
         self.system_edit.setMaximumHeight(70)
         self.system_edit.hide()
         self.system_edit.textChanged.connect(
@@ -127,7 +140,8 @@ class ChatView(QWidget):
         row.addWidget(self.composer, 1)
         buttons = QVBoxLayout()
         buttons.setSpacing(6)
-        self.send_button = QPushButton(icon("send", "accent_text"), "Send")
+        self.send_button = QPushButton("Send")
+        set_icon(self.send_button, "send", "accent_text")
         self.send_button.setObjectName("PrimaryButton")
         self.send_button.setAccessibleName("Send message")
         self.send_button.setToolTip("Send (Ctrl+Enter). While a reply is written: Stop (Esc)")
@@ -136,11 +150,13 @@ class ChatView(QWidget):
         buttons.addWidget(self.send_button)
         small = QHBoxLayout()
         small.setSpacing(6)
-        self.regen_button = QPushButton(icon("regenerate"), "")
+        self.regen_button = QPushButton()
+        set_icon(self.regen_button, "regenerate")
         self.regen_button.setAccessibleName("Regenerate the last reply")
         self.regen_button.setToolTip("Write the last reply again")
         self.regen_button.clicked.connect(self.chat.regenerate)
-        self.edit_button = QPushButton(icon("edit"), "")
+        self.edit_button = QPushButton()
+        set_icon(self.edit_button, "edit")
         self.edit_button.setAccessibleName("Edit the last message")
         self.edit_button.setToolTip("Edit your last message and send it again")
         self.edit_button.clicked.connect(self.edit_last)
@@ -164,25 +180,35 @@ class ChatView(QWidget):
         chat.conversations_changed.connect(self._refresh_title)
         self.set_busy(False)
 
+    def resizeEvent(self, e: QResizeEvent) -> None:
+        """With large text in a narrow window the chat's title keeps room: the words
+        "Assistant style:" give way first (the box keeps its accessible name)."""
+        super().resizeEvent(e)
+        need = (
+            220
+            + self.style_label.sizeHint().width()
+            + self.preset.sizeHint().width()
+            + self.export_button.sizeHint().width()
+        )
+        self.style_label.setVisible(self.width() >= need)
+
     # --- building ---------------------------------------------------------------------------
 
     def _empty_state(self) -> QWidget:
         w = QWidget()
         lay = QVBoxLayout(w)
-        lay.setContentsMargins(0, 60, 0, 0)
+        lay.setContentsMargins(40, 60, 40, 0)
         lay.setSpacing(10)
         head = QLabel("What can I help you with?")
         head.setObjectName("AppTitle")
         head.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        sub = QLabel(
-            "Your words are turned into numbers on this computer before anything is sent.\n"
-            "Use the slider on the right to choose how much of the model runs here."
-        )
+        sub = QLabel("Use the slider on the right to choose how much of the model runs here.")
         sub.setObjectName("Muted")
         sub.setAlignment(Qt.AlignmentFlag.AlignCenter)
         lay.addWidget(head)
         lay.addWidget(sub)
         sub.setWordWrap(True)
+        self.welcome = sub
         lay.addSpacing(8)
         for text in EXAMPLES:
             b = QPushButton(text)
@@ -260,12 +286,27 @@ class ChatView(QWidget):
         self.widgets[msg.id] = w
         if msg.role == "assistant" and not msg.content:
             w.set_message(msg, streaming=True)
+        if msg.role == "assistant":
+            w.continue_requested.connect(self.chat.continue_reply)
         self._update_empty()
+        self._sync_continue()
 
     def update_message(self, msg: Message) -> None:
         w = self.widgets.get(msg.id)
         if w is not None:
             w.set_message(msg, streaming=self.chat.busy)
+            self._sync_continue()
+
+    def _sync_continue(self) -> None:
+        """Continue is offered on the last reply only, when it hit the length limit."""
+        can = self.chat.can_continue()
+        last = max(self.widgets) if self.widgets else None
+        for msg_id, w in self.widgets.items():
+            w.set_can_continue(can and msg_id == last)
+
+    def set_welcome(self, text: str) -> None:
+        """The empty chat's privacy sentence (the same words as the privacy panel)."""
+        self.welcome.setText(text)
 
     def remove_message(self, msg_id: int) -> None:
         self.widgets.pop(msg_id, None)
@@ -309,11 +350,11 @@ class ChatView(QWidget):
     def set_busy(self, busy: bool) -> None:
         if busy:
             self.send_button.setText("Stop")
-            self.send_button.setIcon(icon("stop", "accent_text"))
+            set_icon(self.send_button, "stop", "accent_text")
             self.send_button.setAccessibleName("Stop writing the reply")
         else:
             self.send_button.setText("Resend" if self.editing else "Send")
-            self.send_button.setIcon(icon("send", "accent_text"))
+            set_icon(self.send_button, "send", "accent_text")
             self.send_button.setAccessibleName("Send message")
             for w in self.widgets.values():  # drop the streaming placeholder
                 if w.plain_text() == "…":
@@ -321,15 +362,20 @@ class ChatView(QWidget):
         has = bool(self.widgets)
         self.regen_button.setEnabled(not busy and has)
         self.edit_button.setEnabled(not busy and has)
+        self._sync_continue()
 
     def show_failure(self, err: VeilError, put_back: str) -> None:
         if put_back and not self.composer.toPlainText().strip():
             self.composer.setPlainText(put_back)
-        if self.chat.host.state == OFFLINE:
-            base = err.hint or ""
-            sep = " " if base.endswith((".", "?", "!")) else (". " if base else "")
-            err = VeilError(err.message, base + sep + "Veil reconnects by itself when it is back.")
-        self.error.show_error(err, "Try again", self.send_or_stop)
+        state = self.chat.host.state
+        cause = problems.cause_of(err, state)
+        shown = problems.explain(err, state)
+        if cause == problems.INVITE:  # trying again cannot help: Settings can
+            self.error.show_error(shown, "Open Settings", self.settings_requested.emit, cause)
+        elif put_back:
+            self.error.show_error(shown, "Try again", self.send_or_stop, cause)
+        else:  # a partial reply was kept (marked "Interrupted")
+            self.error.show_error(shown, "Write the reply again", self.chat.regenerate, cause)
 
     def save_draft_now(self) -> None:
         self._draft_timer.stop()
@@ -343,19 +389,26 @@ class ChatView(QWidget):
         if conv_id is None:
             return
         conv = self.chat.store.conversation(conv_id)
-        name = (conv.title if conv else "chat").replace("/", "-")
-        path, flt = QFileDialog.getSaveFileName(
-            self, "Export chat", f"{name}.md", "Markdown (*.md);;JSON (*.json)"
+        path = export.ask_save_path(
+            self,
+            "Export chat",
+            self.chat.store,
+            conv.title if conv else "Chat",
+            [export.MARKDOWN, export.JSON],
         )
-        if not path:
+        if path is None:
             return
         try:
             body = (
                 self.chat.export_json(conv_id)
-                if path.lower().endswith(".json") or "JSON" in flt
+                if path.suffix.lower() == ".json"
                 else self.chat.export_markdown(conv_id)
             )
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(body)
+            path.write_text(body, encoding="utf-8")
         except OSError as exc:
-            self.error.show_error(VeilError(f"cannot save {path}: {exc.strerror}"))
+            self.error.show_error(
+                VeilError(f"cannot save {path}: {exc.strerror}", hint="choose another folder"),
+                cause=problems.EXPORT,
+            )
+            return
+        export.confirm_saved(self.error, path)

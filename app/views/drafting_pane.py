@@ -7,9 +7,8 @@ Accepting is one undoable edit (Ctrl+Z brings the old text back).
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QTextCursor
+from PySide6.QtGui import QKeyEvent, QTextCursor
 from PySide6.QtWidgets import (
-    QFileDialog,
     QFrame,
     QGridLayout,
     QHBoxLayout,
@@ -22,10 +21,18 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.core.drafting import ACTIONS, DraftingController, Suggestion, suggestion_insert_text
+from app.core import problems
+from app.core.drafting import (
+    ACTIONS,
+    DEFAULT_TITLE,
+    DraftingController,
+    Suggestion,
+    suggestion_insert_text,
+)
 from app.core.storage import Document
+from app.views import export
 from app.views.error_banner import ErrorBanner
-from app.views.theme import icon
+from app.views.theme import set_icon
 from engine.errors import VeilError
 
 BUTTONS = ("outline", "formal", "grammar", "summarize", "continue")
@@ -50,6 +57,22 @@ def q_pos(text: str, index: int) -> int:
     return utf16_len(text[:index])
 
 
+class DocEditor(QPlainTextEdit):
+    """The document text. Tab moves to the next control like everywhere in the window;
+    Ctrl+Tab types a tab character for the rare document that needs one."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setTabChangesFocus(True)
+
+    def keyPressEvent(self, e: QKeyEvent) -> None:
+        if e.key() == Qt.Key.Key_Tab and e.modifiers() & Qt.KeyboardModifier.ControlModifier:
+            if not self.isReadOnly():
+                self.insertPlainText("\t")
+            return
+        super().keyPressEvent(e)
+
+
 class DraftingPane(QWidget):
     def __init__(self, drafting: DraftingController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -62,12 +85,14 @@ class DraftingPane(QWidget):
         self.title = QLineEdit()
         self.title.setObjectName("PaneTitle")
         self.title.setAccessibleName("Document name")
-        self.title.setPlaceholderText("Document name")
+        self.title.setPlaceholderText(DEFAULT_TITLE)
+        self.title.setToolTip("The document's name (shown in the list on the left)")
         self.title.editingFinished.connect(self._rename)
         bar.addWidget(self.title, 1)
-        self.export_button = QPushButton(icon("export"), "Export")
+        self.export_button = QPushButton("Export")
+        set_icon(self.export_button, "export")
         self.export_button.setAccessibleName("Export this document")
-        self.export_button.setToolTip("Save as Markdown (.md) or plain text (.txt)")
+        self.export_button.setToolTip("Save as formatted text (.md) or plain text (.txt)")
         self.export_button.clicked.connect(self.export)
         bar.addWidget(self.export_button)
         outer.addLayout(bar)
@@ -79,7 +104,8 @@ class DraftingPane(QWidget):
         rows = (QHBoxLayout(), QHBoxLayout())
         for i, key in enumerate(BUTTONS):
             a = ACTIONS[key]
-            b = QPushButton(icon("sparkle", "accent"), a.short or a.label)
+            b = QPushButton(a.short or a.label)
+            set_icon(b, "sparkle", "accent")
             b.setAccessibleName(a.label)
             b.setToolTip(f"{a.label}: {a.instruction}")
             b.clicked.connect(lambda _=False, k=key: self.run_action(k))
@@ -96,7 +122,8 @@ class DraftingPane(QWidget):
         )
         self.instruction.returnPressed.connect(lambda: self.run_action("custom"))
         actions.addWidget(self.instruction, 2, 0)
-        self.apply_button = QPushButton(icon("sparkle", "accent_text"), "Apply")
+        self.apply_button = QPushButton("Apply")
+        set_icon(self.apply_button, "sparkle", "accent_text")
         self.apply_button.setObjectName("PrimaryButton")
         self.apply_button.setAccessibleName("Apply my instruction")
         self.apply_button.clicked.connect(lambda: self.run_action("custom"))
@@ -116,7 +143,7 @@ class DraftingPane(QWidget):
         split = QSplitter(Qt.Orientation.Horizontal)
         split.setChildrenCollapsible(False)
         split.setHandleWidth(10)
-        self.editor = QPlainTextEdit()
+        self.editor = DocEditor()
         self.editor.setObjectName("DocEditor")
         self.editor.setAccessibleName("Document text")
         self.editor.setPlaceholderText(
@@ -133,8 +160,10 @@ class DraftingPane(QWidget):
         pl.setSpacing(8)
         self.s_title = QLabel("Suggestion")
         self.s_title.setObjectName("CardTitle")
+        self.s_title.setWordWrap(True)  # a long title must not push the editor narrower
         pl.addWidget(self.s_title)
         self.s_text = QPlainTextEdit()
+        self.s_text.setTabChangesFocus(True)
         self.s_text.setReadOnly(True)
         self.s_text.setAccessibleName("Suggested text")
         self.s_text.setPlaceholderText(
@@ -142,14 +171,17 @@ class DraftingPane(QWidget):
         )
         pl.addWidget(self.s_text, 1)
         row = QHBoxLayout()
-        self.accept_button = QPushButton(icon("check", "accent_text"), "Accept")
+        self.accept_button = QPushButton("Accept")
+        set_icon(self.accept_button, "check", "accent_text")
         self.accept_button.setObjectName("PrimaryButton")
         self.accept_button.setAccessibleName("Accept the suggestion")
         self.accept_button.clicked.connect(self.accept)
-        self.reject_button = QPushButton(icon("close"), "Reject")
+        self.reject_button = QPushButton("Reject")
+        set_icon(self.reject_button, "close")
         self.reject_button.setAccessibleName("Reject the suggestion")
         self.reject_button.clicked.connect(self.reject)
-        self.stop_button = QPushButton(icon("stop"), "Stop")
+        self.stop_button = QPushButton("Stop")
+        set_icon(self.stop_button, "stop")
         self.stop_button.setAccessibleName("Stop writing the suggestion")
         self.stop_button.clicked.connect(self.d.stop)
         row.addWidget(self.accept_button)
@@ -170,7 +202,7 @@ class DraftingPane(QWidget):
         drafting.suggestion_updated.connect(self._updated)
         drafting.suggestion_finished.connect(self._finished)
         drafting.suggestion_cleared.connect(self._cleared)
-        drafting.failed.connect(lambda e: self.error.show_error(e))
+        drafting.failed.connect(self._failed)
         drafting.busy_changed.connect(self._sync_buttons)
         self.load(None)
 
@@ -179,7 +211,8 @@ class DraftingPane(QWidget):
     def load(self, doc: Document | None) -> None:
         self._loading = True
         has = doc is not None
-        self.title.setText(doc.title if doc else "")
+        # the default name is only a placeholder, so typing a name replaces it
+        self.title.setText(doc.title if doc and doc.title != DEFAULT_TITLE else "")
         self.editor.setPlainText(doc.body if doc else "")
         self.editor.document().clearUndoRedoStacks()
         self.title.setEnabled(has)
@@ -212,24 +245,36 @@ class DraftingPane(QWidget):
             self.d.save(self.editor.toPlainText())
 
     def _rename(self) -> None:
-        if self.d.current is not None and self.title.text().strip():
-            self.d.rename(self.d.current, self.title.text())
+        if self.d.current is None:
+            return
+        doc = self.d.store.document(self.d.current)
+        new = self.title.text().strip() or DEFAULT_TITLE
+        if doc is not None and doc.title != new:
+            self.d.rename(self.d.current, new)
 
     def export(self) -> None:
         if self.d.current is None:
             return
         self.save_now()
-        name = (self.title.text() or "document").replace("/", "-")
-        path, _ = QFileDialog.getSaveFileName(
-            self, "Export document", f"{name}.md", "Markdown (*.md);;Plain text (*.txt)"
+        path = export.ask_save_path(
+            self,
+            "Export document",
+            self.d.store,
+            self.title.text().strip() or DEFAULT_TITLE,
+            [export.MARKDOWN, export.PLAIN],
         )
-        if path:
-            from pathlib import Path
+        if path is None:
+            return
+        try:
+            self.d.export(self.d.current, path)
+        except VeilError as exc:
+            self.error.show_error(exc, cause=problems.EXPORT)
+            return
+        export.confirm_saved(self.error, path)
 
-            try:
-                self.d.export(self.d.current, Path(path))
-            except VeilError as exc:
-                self.error.show_error(exc)
+    def _failed(self, err: VeilError) -> None:
+        state = self.d.host.state
+        self.error.show_error(problems.explain(err, state), cause=problems.cause_of(err, state))
 
     # --- suggestions ---------------------------------------------------------------------------
 
@@ -276,6 +321,8 @@ class DraftingPane(QWidget):
             self.s_title.setText("Suggestion (failed)")
         elif s.finish_reason == "cancelled":
             self.s_title.setText(self.s_title.text() + " (stopped)")
+        elif s.finish_reason == "length":
+            self.s_title.setText(self.s_title.text() + " (hit the length limit)")
         self._sync_buttons()
 
     def _cleared(self) -> None:
@@ -311,9 +358,11 @@ class DraftingPane(QWidget):
         self.editor.setTextCursor(c)
         assert self.editor.toPlainText() == expected
         self.save_now()
+        self.editor.setFocus()  # so Ctrl+Z undoes the change at once
 
     def reject(self) -> None:
         self.d.reject()
+        self.editor.setFocus()
 
     def _sync_buttons(self, *_: object) -> None:
         s = self.d.suggestion

@@ -14,7 +14,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.views.theme import app_icon, icon
+from app.core.invite import invite_problem
+from app.views.theme import app_icon, set_icon
 
 DEMO = "demo"
 SERVER = "server"
@@ -43,8 +44,9 @@ class FirstRunDialog(QDialog):
         lay.addLayout(head)
         intro = QLabel(
             "Veil is an AI writing assistant that keeps the beginning and the end of the model on "
-            "this computer. Your text is turned into numbers here; only those numbers travel to "
-            "the server, never your words. How would you like to start?"
+            "this computer and sends the server numbers instead of your text. Those numbers can "
+            "still be turned back into most of your words, so use a server you trust, or keep "
+            "everything on this computer with the privacy slider. How would you like to start?"
         )
         intro.setWordWrap(True)
         intro.setObjectName("Muted")
@@ -58,7 +60,8 @@ class FirstRunDialog(QDialog):
             "Runs a small demo server on this computer. Nothing leaves it and no account "
             "is needed. Good for trying Veil out.",
         )
-        self.demo_button = QPushButton(icon("computer", "accent_text"), "Try it on this computer")
+        self.demo_button = QPushButton("Try it on this computer")
+        set_icon(self.demo_button, "computer", "accent_text")
         self.demo_button.setObjectName("PrimaryButton")
         self.demo_button.setAccessibleName("Try it on this computer")
         self.demo_button.clicked.connect(self._demo)
@@ -75,13 +78,18 @@ class FirstRunDialog(QDialog):
         self.invite_edit = QLineEdit()
         self.invite_edit.setPlaceholderText("Invite code (starts with veil1:)")
         self.invite_edit.setAccessibleName("Invite code")
-        self.server_button = QPushButton(icon("server"), "Connect")
-        self.invite_edit.textChanged.connect(
-            lambda t: self.server_button.setEnabled(bool(t.strip()))
-        )
+        self.server_button = QPushButton("Connect")
+        set_icon(self.server_button, "server")
+        self.invite_error = QLabel()  # shown under the field when the code is damaged
+        self.invite_error.setObjectName("FieldError")
+        self.invite_error.setWordWrap(True)
+        self.invite_error.hide()
+        self._typed = 0
+        self.invite_edit.textChanged.connect(self._invite_changed)
         self.invite_edit.returnPressed.connect(self._server)
         server_lay.addStretch(1)
         server_lay.addWidget(self.invite_edit)
+        server_lay.addWidget(self.invite_error)
         self.server_button.setAccessibleName("Connect to my organization's server")
         self.server_button.setEnabled(False)
         self.server_button.clicked.connect(self._server)
@@ -101,7 +109,7 @@ class FirstRunDialog(QDialog):
         lay.setContentsMargins(18, 18, 18, 18)
         lay.setSpacing(10)
         ic = QLabel()
-        ic.setPixmap(icon(icon_name, "accent", 32).pixmap(32, 32))
+        set_icon(ic, icon_name, "accent", 32)
         lay.addWidget(ic)
         t = QLabel(title)
         t.setObjectName("CardTitle")
@@ -117,9 +125,28 @@ class FirstRunDialog(QDialog):
         self.choice = DEMO
         self.accept()
 
+    def _invite_changed(self, text: str) -> None:
+        """Check a pasted code at once (and again while an error shows), not each keystroke."""
+        self.server_button.setEnabled(bool(text.strip()))
+        pasted = len(text) - self._typed > 4
+        self._typed = len(text)
+        if pasted or not self.invite_error.isHidden():
+            self._show_problem(invite_problem(text) if text.strip() else None)
+
+    def _show_problem(self, problem: str | None) -> None:
+        self.invite_error.setText(
+            problem[:1].upper() + problem[1:] + ". Copy the whole code again." if problem else ""
+        )
+        self.invite_error.setVisible(bool(problem))
+
     def _server(self) -> None:
         code = self.invite_edit.text().strip()
         if not code:
+            return
+        problem = invite_problem(code)
+        if problem:
+            self._show_problem(problem)
+            self.invite_edit.setFocus()
             return
         self.choice, self.invite = SERVER, code
         self.accept()

@@ -1,5 +1,6 @@
-"""Live gauges: speed, tokens per round trip, network round trip, local memory, connection,
-and a small chart of tokens/s over the last minute."""
+"""Live performance: speed, tokens per round trip, network round trip, this app's memory,
+connection, and a small chart of tokens/s over the last minute. Only what applies is shown:
+with the whole model on this computer there is no server, so no round trips and no network."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from PySide6.QtGui import QColor, QPainter, QPainterPath, QPaintEvent, QPen
 from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.core.controller import AppController
-from app.core.engine_host import CONNECTED, LOCAL, OFFLINE
-from app.core.gauges import GaugeState, human_bytes, process_memory_bytes
-from app.views.theme import Theme, icon
+from app.core.engine_host import CONNECTED, LOCAL, NEEDS_SETUP, OFFLINE, RESTARTING
+from app.core.gauges import MEMORY_NOTE, GaugeState, human_bytes, process_memory_bytes
+from app.views.theme import Theme, set_icon
 
 
 class SpeedChart(QWidget):
-    """Tokens/s over the last 60 seconds."""
+    """Tokens/s over the last 60 seconds: one line per reply, nothing across idle gaps."""
 
     def __init__(self, state: GaugeState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -25,39 +26,50 @@ class SpeedChart(QWidget):
     def paintEvent(self, _e: QPaintEvent) -> None:
         p = QPainter(self)
         p.setRenderHint(QPainter.RenderHint.Antialiasing)
-        r = QRectF(self.rect()).adjusted(1, 16, -1, -14)
+        font = p.font()
+        font.setPointSizeF(max(font.pointSizeF() - 2, 6))
+        p.setFont(font)
+        line_h = p.fontMetrics().height() + 1
+        r = QRectF(self.rect()).adjusted(1, line_h + 2, -1, -line_h)
         grid = QColor(Theme.color("border"))
         p.setPen(QPen(grid, 1))
         p.drawLine(r.bottomLeft(), r.bottomRight())
         p.drawLine(QPointF(r.left(), r.top()), QPointF(r.right(), r.top()))
-        pts = self.state.last_minute()
-        top = max([v for _, v in pts] + [1.0]) * 1.15
+        runs = self.state.last_minute_runs()
+        top = max([v for run in runs for _, v in run] + [1.0]) * 1.15
         p.setPen(QColor(Theme.color("muted")))
-        font = p.font()
-        font.setPointSizeF(max(font.pointSizeF() - 2, 6))
-        p.setFont(font)
-        p.drawText(QRectF(r.left(), r.bottom() + 1, r.width(), 13), "60 s ago")
-        p.drawText(
-            QRectF(r.left(), r.bottom() + 1, r.width(), 13), Qt.AlignmentFlag.AlignRight, "now"
-        )
-        if not pts:
-            p.drawText(r, Qt.AlignmentFlag.AlignCenter, "No replies in the last minute")
+        below = QRectF(r.left(), r.bottom() + 1, r.width(), line_h)
+        p.drawText(below, "60 s ago")
+        p.drawText(below, Qt.AlignmentFlag.AlignRight, "now")
+        if not runs:
+            p.drawText(
+                r,
+                Qt.AlignmentFlag.AlignCenter | Qt.TextFlag.TextWordWrap,
+                "No replies in the last minute",
+            )
             return
         p.drawText(
-            QRectF(r.left(), r.top() - 15, r.width(), 13),
+            QRectF(r.left(), r.top() - line_h - 1, r.width(), line_h),
             Qt.AlignmentFlag.AlignRight,
             f"top of chart: {top:.0f} tokens/s",
         )
-        path = QPainterPath()
-        for i, (ago, v) in enumerate(pts):
-            x = r.right() - (ago / 60.0) * r.width()
-            y = r.bottom() - (v / top) * r.height()
-            if i == 0:
-                path.moveTo(x, y)
-            else:
-                path.lineTo(x, y)
-        p.setPen(QPen(QColor(Theme.color("accent")), 2))
-        p.drawPath(path)
+        accent = QColor(Theme.color("accent"))
+        for run in runs:
+            pts = [
+                QPointF(r.right() - (ago / 60.0) * r.width(), r.bottom() - (v / top) * r.height())
+                for ago, v in run
+            ]
+            if len(pts) == 1:  # a single measurement: a dot, not a line to anywhere
+                p.setPen(Qt.PenStyle.NoPen)
+                p.setBrush(accent)
+                p.drawEllipse(pts[0], 2.5, 2.5)
+                continue
+            path = QPainterPath(pts[0])
+            for pt in pts[1:]:
+                path.lineTo(pt)
+            p.setBrush(Qt.BrushStyle.NoBrush)
+            p.setPen(QPen(accent, 2))
+            p.drawPath(path)
 
 
 class GaugesPanel(QFrame):
@@ -70,7 +82,7 @@ class GaugesPanel(QFrame):
         lay.setSpacing(8)
         head = QHBoxLayout()
         ic = QLabel()
-        ic.setPixmap(icon("gauge", "accent", 20).pixmap(20, 20))
+        set_icon(ic, "gauge", "accent", 20)
         head.addWidget(ic)
         title = QLabel("Live performance")
         title.setObjectName("CardTitle")
@@ -85,12 +97,18 @@ class GaugesPanel(QFrame):
         grid.setHorizontalSpacing(10)
         grid.setVerticalSpacing(8)
         grid.setColumnStretch(0, 1)
-        self.speed = self._cell(grid, 0, "Speed (tokens/s)")
-        self.per_rt = self._cell(grid, 1, "Tokens per round trip")
-        self.rtt = self._cell(grid, 2, "Network round trip")
-        self.memory_name = QLabel()
-        self.memory = self._cell(grid, 3, "", self.memory_name)
+        self.speed_name, self.speed = self._cell(grid, 0, "Speed (tokens/s)")
+        self.per_rt_name, self.per_rt = self._cell(grid, 1, "Tokens per round trip")
+        self.per_rt_name.setToolTip(
+            "How many word pieces (tokens) each exchange with the server produced (more is faster)"
+        )
+        self.rtt_name, self.rtt = self._cell(grid, 2, "Network round trip")
+        self.memory_name, self.memory = self._cell(grid, 3, "")
         lay.addLayout(grid)
+        self.memory_note = QLabel(MEMORY_NOTE)
+        self.memory_note.setObjectName("Small")
+        self.memory_note.setWordWrap(True)
+        lay.addWidget(self.memory_note)
         self.chart = SpeedChart(app.gauge_state)
         lay.addWidget(self.chart)
         app.gauges_changed.connect(self.refresh)
@@ -99,16 +117,17 @@ class GaugesPanel(QFrame):
         self._timer.start()
         self._tick()
 
-    def _cell(self, grid: QGridLayout, row: int, name: str, label: QLabel | None = None) -> QLabel:
-        n = label or QLabel(name)
+    def _cell(self, grid: QGridLayout, row: int, name: str) -> tuple[QLabel, QLabel]:
+        n = QLabel(name)
         n.setObjectName("Muted")
+        n.setWordWrap(True)
         v = QLabel("-")
         v.setObjectName("GaugeValue")
         v.setAccessibleName(name)
         v.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         grid.addWidget(n, row, 0)
         grid.addWidget(v, row, 1)
-        return v
+        return n, v
 
     def _tick(self) -> None:
         g = self.app.gauge_state
@@ -118,20 +137,24 @@ class GaugesPanel(QFrame):
 
     def refresh(self, g: GaugeState | None = None) -> None:
         g = g or self.app.gauge_state
+        local = self.app.runs_fully_local()
         self.speed.setText(f"{g.tokens_per_s:.1f}" if g.tokens_per_s is not None else "-")
+        for w in (self.per_rt_name, self.per_rt, self.rtt_name, self.rtt):
+            w.setVisible(not local)  # no server: no round trips and no network
         self.per_rt.setText(
             f"{g.tokens_per_round_trip:.2f}" if g.tokens_per_round_trip is not None else "-"
         )
-        if self.app.host.state == LOCAL:
-            self.rtt.setText("no network")
-        else:
-            self.rtt.setText(f"{g.rtt_ms:.1f} ms" if g.rtt_ms is not None else "-")
-        self.memory_name.setText(g.memory_label[:1].upper() + g.memory_label[1:])
+        self.rtt.setText(f"{g.rtt_ms:.1f} ms" if g.rtt_ms is not None and not local else "-")
+        self.memory_name.setText(g.memory_label)
         self.memory.setAccessibleName(g.memory_label)
         self.memory.setText(human_bytes(g.memory_bytes) if g.memory_bytes else "-")
         state = self.app.host.state
-        color = {CONNECTED: "ok", LOCAL: "ok", OFFLINE: "bad"}.get(state, "warn")
-        dot = f'<span style="color:{Theme.color(color)}; font-size:14pt">●</span>'
+        color = {CONNECTED: "ok", LOCAL: "ok", OFFLINE: "bad", NEEDS_SETUP: "bad"}.get(
+            state, "warn"
+        )
+        if self.app.host.server_notice() == RESTARTING:
+            color = "warn"
+        dot = f'<span style="color:{Theme.color(color)}">●</span>'
         text = self.app.connection_text()
         if g.generating:
             text += " · writing"

@@ -1,9 +1,11 @@
-"""One chat message: a bubble with Markdown text and code blocks that have a Copy button."""
+"""One chat message: a bubble with Markdown text and code blocks. Replies have a Copy button
+(the whole reply, line breaks and formatting kept) and, when they stopped at the length
+limit, a notice with Continue."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtCore import QMimeData, Qt, Signal
+from PySide6.QtGui import QGuiApplication, QTextDocument
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -14,17 +16,43 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.core.markdown import Segment, segments
+from app.core.markdown import Segment, keep_line_breaks, segments
 from app.core.storage import Message
-from app.views.theme import icon
+from app.views.theme import later, set_icon
 
 ROLE_NAMES = {"user": "You", "assistant": "Veil"}
 FINISH_NOTES = {
     "cancelled": "Stopped.",
     "error": "Interrupted: the connection failed.",
-    "length": "",
+    "length": "Reply hit the length limit.",
     "context": "Stopped: the conversation is as long as this model allows.",
 }
+COPIED_MS = 1500
+
+
+def copy_text(text: str, markdown: bool) -> None:
+    """Put ``text`` on the clipboard as plain text (line breaks kept) and, for Markdown, as
+    formatted text too, so a mail program pastes headings, lists and bold as such."""
+    cb = QGuiApplication.clipboard()
+    if cb is None:
+        return
+    data = QMimeData()
+    data.setText(text)
+    if markdown:
+        doc = QTextDocument()
+        doc.setMarkdown(keep_line_breaks(text))
+        data.setHtml(doc.toHtml())
+    cb.setMimeData(data)
+
+
+def _flash(button: QPushButton, done: str = "Copied") -> None:
+    """Show "Copied" on ``button`` for a moment (feedback that the copy happened)."""
+    old = button.text()
+    if old == done:
+        return
+    button.setText(done)
+    button.setAccessibleDescription(done)
+    later(COPIED_MS, button, lambda: button.setText(old))
 
 
 class CodeBlock(QFrame):
@@ -39,7 +67,8 @@ class CodeBlock(QFrame):
         self.lang.setObjectName("Small")
         head.addWidget(self.lang)
         head.addStretch(1)
-        self.copy_button = QPushButton(icon("copy", "muted", 16), "Copy")
+        self.copy_button = QPushButton("Copy")
+        set_icon(self.copy_button, "copy", "muted", 16)
         self.copy_button.setObjectName("LinkButton")
         self.copy_button.setAccessibleName("Copy code")
         self.copy_button.setCursor(Qt.CursorShape.PointingHandCursor)
@@ -60,45 +89,88 @@ class CodeBlock(QFrame):
         self.text.setText(seg.body)
 
     def copy(self) -> None:
-        cb = QGuiApplication.clipboard()
-        if cb is not None:
-            cb.setText(self.seg.body)
-        self.copy_button.setText("Copied")
-        QTimer.singleShot(1500, lambda: self.copy_button.setText("Copy"))
+        copy_text(self.seg.body, markdown=False)
+        _flash(self.copy_button)
 
 
 class MessageWidget(QFrame):
     """A message bubble; ``set_text`` re-renders it while the reply streams."""
 
+    continue_requested = Signal()
+
     def __init__(self, msg: Message, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.msg_id = msg.id
         self.role = msg.role
+        self.content = msg.content
         self.setObjectName("UserBubble" if msg.role == "user" else "AssistantBubble")
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
         self.lay = QVBoxLayout(self)
         self.lay.setContentsMargins(14, 10, 14, 12)
         self.lay.setSpacing(6)
+        head = QHBoxLayout()
+        head.setContentsMargins(0, 0, 0, 0)
         self.role_label = QLabel(ROLE_NAMES.get(msg.role, msg.role.title()))
         self.role_label.setObjectName("RoleLabel")
-        self.lay.addWidget(self.role_label)
+        head.addWidget(self.role_label)
+        head.addStretch(1)
+        self.copy_button = QPushButton("Copy", self)  # a parent: never a window of its own
+        set_icon(self.copy_button, "copy", "muted", 16)
+        self.copy_button.setObjectName("LinkButton")
+        self.copy_button.setAccessibleName("Copy this reply")
+        self.copy_button.setToolTip("Copy the whole reply (line breaks and formatting kept)")
+        self.copy_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.copy_button.clicked.connect(self.copy)
+        self.copy_button.setVisible(msg.role == "assistant")
+        head.addWidget(self.copy_button)
+        self.lay.addLayout(head)
         self.parts: list[QWidget] = []
-        self.note = QLabel()
+        foot = QHBoxLayout()
+        foot.setContentsMargins(0, 0, 0, 0)
+        self.note = QLabel(self)
         self.note.setObjectName("Small")
+        self.note.setWordWrap(True)
         self.note.hide()
-        self.lay.addWidget(self.note)
+        foot.addWidget(self.note, 1)
+        self.continue_button = QPushButton("Continue", self)
+        self.continue_button.setObjectName("LinkButton")
+        self.continue_button.setAccessibleName("Continue this reply")
+        self.continue_button.setToolTip("Let Veil go on writing this reply")
+        self.continue_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.continue_button.clicked.connect(self.continue_requested)
+        self.continue_button.hide()
+        foot.addWidget(self.continue_button)
+        self.lay.addLayout(foot)
         self._segs: list[Segment] = []
+        self._can_continue = False
+        self.finish_reason = msg.finish_reason
         self.set_message(msg)
 
     def set_message(self, msg: Message, streaming: bool = False) -> None:
         text = msg.content
+        self.content = msg.content
         if not text and streaming:
             text = "…"
         self.set_text(text)
+        self.finish_reason = msg.finish_reason
         note = FINISH_NOTES.get(msg.finish_reason, "")
         self.note.setText(note)
         self.note.setVisible(bool(note))
+        self.copy_button.setEnabled(bool(msg.content))
+        self._sync_continue()
         self.setAccessibleName(f"{ROLE_NAMES.get(msg.role, msg.role)} said: {msg.content[:200]}")
+
+    def set_can_continue(self, can: bool) -> None:
+        """The chat offers Continue on its last reply only (and not while writing)."""
+        self._can_continue = can
+        self._sync_continue()
+
+    def _sync_continue(self) -> None:
+        self.continue_button.setVisible(self._can_continue and self.finish_reason == "length")
+
+    def copy(self) -> None:
+        copy_text(self.content, markdown=self.role == "assistant")
+        _flash(self.copy_button)
 
     def set_text(self, text: str) -> None:
         segs = segments(text) or [Segment("text", "")]
@@ -124,6 +196,10 @@ class MessageWidget(QFrame):
     def plain_text(self) -> str:
         return "\n".join(s.body for s in self._segs)
 
+    def _body(self, seg: Segment) -> str:
+        # a reply's single line breaks are real line breaks (an address, a signature)
+        return keep_line_breaks(seg.body) if self.role == "assistant" else seg.body
+
     def _make_part(self, seg: Segment) -> QWidget:
         if seg.kind == "code":
             return CodeBlock(seg, self)
@@ -138,11 +214,11 @@ class MessageWidget(QFrame):
         )
         label.setOpenExternalLinks(False)
         label.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
-        label.setText(seg.body)
+        label.setText(self._body(seg))
         return label
 
     def _update_part(self, w: QWidget, seg: Segment) -> None:
         if isinstance(w, CodeBlock):
             w.set_segment(seg)
         elif isinstance(w, QLabel):
-            w.setText(seg.body)
+            w.setText(self._body(seg))

@@ -1,5 +1,6 @@
 """The privacy slider: how much of the model runs on this computer, what it costs in memory,
-and what the latest privacy audit measured for that setting."""
+and, in one word and one sentence, what a server could read at that setting (from the latest
+privacy audit; nothing at all when the model runs fully on this computer)."""
 
 from __future__ import annotations
 
@@ -15,23 +16,38 @@ from PySide6.QtWidgets import (
 )
 
 from app.core.controller import AppController
-from app.views.theme import Theme, icon
+from app.core.privacy import PrivacyView
+from app.views.theme import Theme, set_icon
+
+MEMORY_NOTE = (
+    "The model's weights kept on this computer at this setting (Veil's whole memory use, in "
+    "Live performance below, also counts its working memory and the app)."
+)
+
+
+def _small(text: str = "") -> QLabel:
+    label = QLabel(text)
+    label.setObjectName("Small")
+    label.setWordWrap(True)
+    return label
 
 
 class PrivacyPanel(QFrame):
     details_requested = Signal()
     audit_requested = Signal()
+    view_changed = Signal(object)  # PrivacyView: the welcome text follows the panel
 
     def __init__(self, app: AppController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.app = app
+        self.view: PrivacyView | None = None
         self.setObjectName("Card")
         lay = QVBoxLayout(self)
         lay.setContentsMargins(16, 14, 16, 14)
         lay.setSpacing(8)
         head = QHBoxLayout()
         ic = QLabel()
-        ic.setPixmap(icon("shield", "accent", 20).pixmap(20, 20))
+        set_icon(ic, "shield", "accent", 20)
         head.addWidget(ic)
         title = QLabel("Privacy")
         title.setObjectName("CardTitle")
@@ -53,10 +69,10 @@ class PrivacyPanel(QFrame):
         q.setBuddy(self.slider)
         lay.addWidget(self.slider)
         ends = QHBoxLayout()
-        less = QLabel("Less here\n(faster)")
-        more = QLabel("All here\n(no server)")
-        for w in (less, more):
-            w.setObjectName("Small")
+        less = _small("Less here\n(faster)")
+        more = _small("All here\n(no server)")
+        less.setWordWrap(False)
+        more.setWordWrap(False)
         more.setAlignment(Qt.AlignmentFlag.AlignRight)
         ends.addWidget(less)
         ends.addStretch(1)
@@ -66,43 +82,54 @@ class PrivacyPanel(QFrame):
         self.summary = QLabel("Loading the model…")
         self.summary.setWordWrap(True)
         lay.addWidget(self.summary)
-        self.memory = self._row(lay, "Memory needed here")
-        self.audit = self._row(lay, "Words a server could recover")
-        self.audit_caption = QLabel()
-        self.audit_caption.setObjectName("Small")
-        self.audit_caption.setWordWrap(True)
-        lay.addWidget(self.audit_caption)
-        buttons = QHBoxLayout()
+
+        # the privacy level: one word, one sentence, and where the figure comes from
+        self.level_name = _small("Privacy risk")
+        lay.addWidget(self.level_name)
+        self.level = QLabel("-")
+        self.level.setObjectName("GaugeValue")
+        self.level.setWordWrap(True)
+        lay.addWidget(self.level)
+        self.sentence = QLabel()
+        self.sentence.setWordWrap(True)
+        lay.addWidget(self.sentence)
+        self.audit = _small()  # where the level comes from: the audit's figure, or why none
+        self.audit.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        lay.addWidget(self.audit)
+
+        self.memory_name = _small("Model memory needed here")
+        lay.addWidget(self.memory_name)
+        self.memory = QLabel("-")
+        self.memory.setObjectName("GaugeValue")
+        self.memory.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.memory.setToolTip(MEMORY_NOTE)
+        lay.addWidget(self.memory)
+
+        # one under the other: they fit the panel at every text size (changing a layout's
+        # direction while Qt lays it out crashed Qt, so there is no switching)
+        self.buttons = QVBoxLayout()
+        self.buttons.setSpacing(6)
         self.details_button = QPushButton("Audit details…")
         self.details_button.setAccessibleName("Show the privacy audit details")
         self.details_button.clicked.connect(self.details_requested)
-        self.run_button = QPushButton("Run privacy audit")
+        self.run_button = QPushButton("Run privacy audit…")
         self.run_button.setAccessibleName("Run a privacy audit of this model")
         self.run_button.clicked.connect(self.audit_requested)
-        buttons.addWidget(self.details_button)
-        buttons.addWidget(self.run_button)
-        lay.addLayout(buttons)
-        self.note = QLabel("Changes apply from your next message.")
-        self.note.setObjectName("Small")
-        self.note.setWordWrap(True)
+        self.buttons.addWidget(self.details_button)
+        self.buttons.addWidget(self.run_button)
+        lay.addLayout(self.buttons)
+        self.audit_status = _small()
+        self.audit_status.setAccessibleName("Privacy audit status")
+        self.audit_status.hide()
+        lay.addWidget(self.audit_status)
+        self.note = _small()
+        self.note.hide()
         lay.addWidget(self.note)
 
         app.config_loaded.connect(self.setup)
         app.split_changed.connect(lambda k: self.refresh())
-
-    def _row(self, lay: QVBoxLayout, label: str) -> QLabel:
-        row = QVBoxLayout()
-        row.setSpacing(0)
-        name = QLabel(label)
-        name.setObjectName("Small")
-        value = QLabel("-")
-        value.setObjectName("GaugeValue")
-        value.setWordWrap(True)
-        value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        row.addWidget(name)
-        row.addWidget(value)
-        lay.addLayout(row)
-        return value
+        app.chat.busy_changed.connect(lambda _b: self.refresh())
+        app.drafting.busy_changed.connect(lambda _b: self.refresh())
 
     def setup(self) -> None:
         top = self.app.max_k
@@ -124,19 +151,29 @@ class PrivacyPanel(QFrame):
         k = self.slider.value()
         self.summary.setText(self.app.split_summary(k))
         self.memory.setText(self.app.memory_text(k))
-        fig = self.app.audit_figure(k)
-        self.audit.setText(fig.value)
-        risk = "muted" if fig.top1 is None else "ok" if fig.top1 < 0.05 else "warn"
-        if fig.top1 is not None and fig.top1 >= 0.25:
-            risk = "bad"
-        self.audit.setStyleSheet(f"color: {Theme.color(risk)};")
-        self.audit_caption.setText(fig.caption)
-        self.audit_caption.setVisible(bool(fig.caption))
-        self.audit.setToolTip(f"Worst case over attacks: {fig.attack}" if fig.attack else "")
-        self.audit.setAccessibleName(f"Privacy audit: {fig.text}")
-        applied = self.app.host.applied_k
-        self.note.setText(
-            "Changes apply from your next message."
-            if applied is None or applied == k
-            else "New setting: it applies from your next message."
+        v = self.app.privacy_view(k)
+        self.view = v
+        self.level.setText(v.level)
+        self.level.setStyleSheet(f"color: {Theme.color(v.color)};")
+        self.level.setToolTip(v.tooltip)
+        self.sentence.setText(v.sentence)
+        self.audit.setText(v.caption)
+        self.audit.setToolTip(v.tooltip)
+        self.level.setAccessibleName(v.accessible)
+        # nothing is sent when fully local: there is nothing to audit at this setting
+        self.run_button.setToolTip(
+            "Nothing is sent at this setting; the audit measures the settings that use a server."
+            if v.local
+            else "Measure on this computer how many words a server could recover"
         )
+        applied = self.app.host.applied_k
+        pending = applied is not None and applied != k
+        self.note.setText("New setting: it applies from your next message." if pending else "")
+        self.note.setVisible(pending)  # only while a change waits for the next message
+        self.view_changed.emit(v)
+
+    def set_audit_status(self, text: str, color: str = "muted") -> None:
+        """A line under the audit buttons: running, finished, cancelled."""
+        self.audit_status.setText(text)
+        self.audit_status.setStyleSheet(f"color: {Theme.color(color)};" if text else "")
+        self.audit_status.setVisible(bool(text))

@@ -10,7 +10,6 @@ from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
     QDialogButtonBox,
-    QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
     QHBoxLayout,
@@ -18,15 +17,16 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QRadioButton,
-    QSpinBox,
     QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
-from app.core.settings import MODE_DEMO, MODE_SERVER, THEMES, Settings
+from app.core.invite import invite_address, invite_problem
+from app.core.settings import FONT_SIZES, MODE_DEMO, MODE_SERVER, THEMES, Settings
 from app.views.error_banner import ErrorBanner
-from app.views.theme import icon
+from app.views.number_field import DecimalField, NumberField, with_note
+from app.views.theme import later, set_icon
 from engine.errors import VeilError
 from engine.loading import DEFAULT_MODEL
 
@@ -41,6 +41,16 @@ def client_public_key() -> str:
         return f"unavailable: {exc}"
     except ImportError:
         return "unavailable: this installation has no server support"
+
+
+def key_storage_text() -> str:
+    """Where this computer's keys really are, for the store in use (VEIL_KEYRING)."""
+    try:
+        from engine.keys import storage_description
+
+        return storage_description()
+    except ImportError:
+        return ""
 
 
 class SettingsDialog(QDialog):
@@ -76,7 +86,19 @@ class SettingsDialog(QDialog):
         self.invite = QLineEdit(s.invite)
         self.invite.setPlaceholderText("veil1:…")
         self.invite.setAccessibleName("Invite code")
-        form.addRow("Invite code:", self.invite)
+        invite_box = QWidget()
+        ib = QVBoxLayout(invite_box)
+        ib.setContentsMargins(0, 0, 0, 0)
+        ib.setSpacing(2)
+        ib.addWidget(self.invite)
+        self.invite_status = QLabel()  # checked on paste and on Save, shown under the field
+        self.invite_status.setWordWrap(True)
+        self.invite_status.hide()
+        ib.addWidget(self.invite_status)
+        form.addRow("Invite code:", invite_box)
+        self._invite_len = len(s.invite)
+        self.invite.textChanged.connect(self._invite_changed)
+        self.invite.editingFinished.connect(lambda: self.check_invite(show_error=True))
         key_row = QHBoxLayout()
         self.key = QLineEdit()
         self.key.setReadOnly(True)
@@ -85,24 +107,26 @@ class SettingsDialog(QDialog):
         show = QPushButton("Show")
         show.setAccessibleName("Show this computer's public key")
         show.clicked.connect(lambda: self.key.setText(client_public_key()))
-        copy_key = QPushButton(icon("copy"), "")
-        copy_key.setAccessibleName("Copy this computer's public key")
-        copy_key.setToolTip("Copy")
-        copy_key.clicked.connect(self._copy_key)
+        self.copy_key = QPushButton("Copy")
+        set_icon(self.copy_key, "copy")
+        self.copy_key.setAccessibleName("Copy this computer's public key")
+        self.copy_key.setToolTip("Copy the key, to paste it into a message to your IT department")
+        self.copy_key.clicked.connect(self._copy_key)
         key_row.addWidget(self.key, 1)
         key_row.addWidget(show)
-        key_row.addWidget(copy_key)
+        key_row.addWidget(self.copy_key)
         form.addRow("This computer's key:", key_row)
         sl.addLayout(form)
         note = QLabel(
-            "Send this computer's key to your IT department so the server lets it in. Keys are "
-            "kept in the system keyring, never in plain files."
+            "Send this computer's key to your IT department so the server lets it in. "
+            + key_storage_text()
         )
         note.setWordWrap(True)
         note.setObjectName("Small")
         sl.addWidget(note)
         sl.addStretch(1)
         self.server_radio.toggled.connect(self.invite.setEnabled)
+        self.server_radio.toggled.connect(lambda _on: self.check_invite(show_error=False))
         self.invite.setEnabled(self.server_radio.isChecked())
         self.tabs.addTab(server, "Server")
 
@@ -125,25 +149,40 @@ class SettingsDialog(QDialog):
         row.addWidget(browse)
         row.addWidget(reset)
         ml.addRow("Model:", row)
-        self.temperature = QDoubleSpinBox()
+        self.notes: list[QLabel] = []
+        self._adjusted = False
+        self.temperature = DecimalField()
         self.temperature.setRange(0.0, 2.0)
         self.temperature.setSingleStep(0.1)
         self.temperature.setValue(s.temperature)
         self.temperature.setAccessibleName("Creativity (temperature)")
         self.temperature.setToolTip("0 = always the most likely words (repeatable)")
-        ml.addRow("Creativity (temperature):", self.temperature)
-        self.top_p = QDoubleSpinBox()
+        ml.addRow("Creativity (temperature):", self._noted(self.temperature))
+        self.top_p = DecimalField()
         self.top_p.setRange(0.05, 1.0)
         self.top_p.setSingleStep(0.05)
         self.top_p.setValue(s.top_p)
         self.top_p.setAccessibleName("Word choice range (top-p)")
-        ml.addRow("Word choice range (top-p):", self.top_p)
-        self.max_tokens = QSpinBox()
+        ml.addRow("Word choice range (top-p):", self._noted(self.top_p))
+        self.repetition = DecimalField()
+        self.repetition.setRange(1.0, 2.0)
+        self.repetition.setSingleStep(0.05)
+        self.repetition.setValue(s.repetition_penalty)
+        self.repetition.setAccessibleName("Avoid repeating (repetition penalty)")
+        self.repetition.setToolTip(
+            "1 = off. A little above 1 keeps small models from repeating themselves in chat."
+        )
+        ml.addRow("Avoid repeating (repetition penalty):", self._noted(self.repetition))
+        self.max_tokens = NumberField()
         self.max_tokens.setRange(16, 4096)
         self.max_tokens.setSingleStep(64)
         self.max_tokens.setValue(s.max_tokens)
         self.max_tokens.setAccessibleName("Longest reply in tokens")
-        ml.addRow("Longest reply (tokens):", self.max_tokens)
+        self.max_tokens.setToolTip(
+            "A reply that reaches this length stops with a Continue button (a token is about "
+            "three quarters of a word)"
+        )
+        ml.addRow("Longest reply (tokens):", self._noted(self.max_tokens))
         self.tabs.addTab(model, "Model and replies")
 
         # --- appearance
@@ -157,12 +196,12 @@ class SettingsDialog(QDialog):
         self.theme.setCurrentIndex(max(self.theme.findData(s.theme), 0))
         self.theme.setAccessibleName("Theme")
         ll.addRow("Theme:", self.theme)
-        self.font_size = QSpinBox()
-        self.font_size.setRange(8, 20)
-        self.font_size.setValue(s.font_size)
+        self.font_size = NumberField()
+        self.font_size.setRange(*FONT_SIZES)
+        self.font_size.setValue(max(FONT_SIZES[0], min(s.font_size, FONT_SIZES[1])))
         self.font_size.setSuffix(" pt")
         self.font_size.setAccessibleName("Text size")
-        ll.addRow("Text size:", self.font_size)
+        ll.addRow("Text size:", self._noted(self.font_size))
         self.tabs.addTab(look, "Appearance")
 
         self.error = ErrorBanner()
@@ -178,16 +217,72 @@ class SettingsDialog(QDialog):
     def values(self) -> Settings:
         s = copy.copy(self.original)
         s.mode = MODE_SERVER if self.server_radio.isChecked() else MODE_DEMO
-        s.invite = self.invite.text().strip()
+        # an invite typed while trying the server option is not kept when the demo is chosen
+        s.invite = self.invite.text().strip() if s.mode == MODE_SERVER else self.original.invite
         s.model = self.model.text().strip() or DEFAULT_MODEL
         s.temperature = round(self.temperature.value(), 2)
         s.top_p = round(self.top_p.value(), 2)
+        s.repetition_penalty = round(self.repetition.value(), 2)
         s.max_tokens = self.max_tokens.value()
         s.theme = str(self.theme.currentData())
         s.font_size = self.font_size.value()
         return s
 
+    def _noted(self, field: NumberField | DecimalField) -> QWidget:
+        box, note = with_note(field)
+        self.notes.append(note)
+        field.adjusted.connect(lambda _m: setattr(self, "_adjusted", True))
+        return box
+
+    def _invite_changed(self, text: str) -> None:
+        pasted = len(text) - self._invite_len > 4  # a paste, not one typed character
+        self._invite_len = len(text)
+        self.check_invite(show_error=pasted)
+
+    def check_invite(self, show_error: bool) -> bool:
+        """Check the invite code; show the problem (or where it points) under the field.
+        Errors show on paste, when leaving the field and on Save, not while typing."""
+        label = self.invite_status
+        code = self.invite.text().strip()
+        if not self.server_radio.isChecked() or not code:
+            label.hide()
+            return not self.server_radio.isChecked()
+        problem = invite_problem(code)
+        if problem is None:
+            label.setObjectName("FieldOk")
+            label.setText(f"✓ Invite code for the server at {invite_address(code)[6:]}")
+        elif show_error:
+            label.setObjectName("FieldError")
+            label.setText(problem[:1].upper() + problem[1:] + ". Copy the whole code again.")
+        else:
+            label.hide()
+            return False
+        label.style().unpolish(label)
+        label.style().polish(label)
+        label.show()
+        return problem is None
+
     def _save(self) -> None:
+        self._adjusted = False
+        for f in (self.temperature, self.top_p, self.repetition, self.max_tokens, self.font_size):
+            f.interpretText()  # a value typed but not confirmed is checked (and noted) now
+        if self._adjusted:  # show what was changed before saving it
+            self.error.show_error(
+                VeilError(
+                    "some values were out of range and were changed",
+                    hint="check the notes under the fields, then press Save again",
+                )
+            )
+            return
+        if self.server_radio.isChecked() and not self.check_invite(show_error=True):
+            self.tabs.setCurrentIndex(0)
+            self.invite.setFocus()
+            if not self.invite.text().strip():
+                self.invite_status.setObjectName("FieldError")
+                self.invite_status.setText("Paste the invite code your IT department gave you.")
+                self.invite_status.style().polish(self.invite_status)
+                self.invite_status.show()
+            return
         s = self.values()
         try:
             s.validate()
@@ -203,6 +298,14 @@ class SettingsDialog(QDialog):
             self.model.setText(path)
 
     def _copy_key(self) -> None:
+        if not self.key.text():
+            self.key.setText(client_public_key())
+        text = self.key.text()
         cb = QGuiApplication.clipboard()
-        if cb is not None and self.key.text() and not self.key.text().startswith("unavailable"):
-            cb.setText(self.key.text())
+        if cb is None or not text or text.startswith("unavailable"):
+            self.copy_key.setText("Nothing to copy")
+        else:
+            cb.setText(text)
+            self.copy_key.setText("Copied")
+        self.copy_key.setAccessibleDescription(self.copy_key.text())
+        later(1500, self.copy_key, lambda: self.copy_key.setText("Copy"))

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 
 from app.core.chat import ChatController
 from app.core.drafting import DraftingController
-from app.views.theme import app_icon, icon
+from app.views.theme import app_icon, icon, set_icon
 from engine.errors import VeilError
 
 
@@ -55,8 +55,10 @@ class Sidebar(QWidget):
         lay.addLayout(head)
         lay.addSpacing(6)
 
-        self.nav_chat = QPushButton(icon("chat"), "  Chat")
-        self.nav_docs = QPushButton(icon("document"), "  Documents")
+        self.nav_chat = QPushButton("  Chat")
+        set_icon(self.nav_chat, "chat")
+        self.nav_docs = QPushButton("  Documents")
+        set_icon(self.nav_docs, "document")
         self.nav_group = QButtonGroup(self)
         for b, key in ((self.nav_chat, "chat"), (self.nav_docs, "drafting")):
             b.setObjectName("NavButton")
@@ -67,7 +69,8 @@ class Sidebar(QWidget):
             lay.addWidget(b)
         lay.addSpacing(8)
 
-        self.new_button = QPushButton(icon("plus", "accent_text"), "New chat")
+        self.new_button = QPushButton("New chat")
+        set_icon(self.new_button, "plus", "accent_text")
         self.new_button.setObjectName("PrimaryButton")
         self.new_button.clicked.connect(self.new_item)
         lay.addWidget(self.new_button)
@@ -75,9 +78,18 @@ class Sidebar(QWidget):
         self.search.setPlaceholderText("Search chats (Ctrl+F)")
         self.search.setAccessibleName("Search chats")
         self.search.setClearButtonEnabled(True)
-        self.search.addAction(icon("search", "muted"), QLineEdit.ActionPosition.LeadingPosition)
+        find = self.search.addAction(
+            icon("search", "muted"), QLineEdit.ActionPosition.LeadingPosition
+        )
+        set_icon(find, "search", "muted")
         self.search.textChanged.connect(self.refresh_chats)
         lay.addWidget(self.search)
+        # right under the search box, where the eye is ("No chats match.")
+        self.empty_hint = QLabel()
+        self.empty_hint.setObjectName("Small")
+        self.empty_hint.setWordWrap(True)
+        self.empty_hint.setContentsMargins(4, 2, 4, 2)
+        lay.addWidget(self.empty_hint)
 
         self.stack = QStackedWidget()
         self.chat_list = QListWidget()
@@ -94,12 +106,8 @@ class Sidebar(QWidget):
             self.stack.addWidget(lst)
         lay.addWidget(self.stack, 1)
 
-        self.empty_hint = QLabel()
-        self.empty_hint.setObjectName("Small")
-        self.empty_hint.setWordWrap(True)
-        lay.addWidget(self.empty_hint)
-
-        self.settings_button = QPushButton(icon("settings"), "  Settings")
+        self.settings_button = QPushButton("  Settings")
+        set_icon(self.settings_button, "settings")
         self.settings_button.setObjectName("NavButton")
         self.settings_button.setAccessibleName("Open settings")
         self.settings_button.clicked.connect(self.settings_requested)

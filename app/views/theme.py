@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QSize, Qt
-from PySide6.QtGui import QColor, QGuiApplication, QIcon, QPainter, QPalette, QPixmap
+from PySide6.QtCore import QByteArray, QObject, QSize, Qt, QTimer
+from PySide6.QtGui import QAction, QColor, QGuiApplication, QIcon, QPainter, QPalette, QPixmap
 from PySide6.QtSvg import QSvgRenderer
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QAbstractButton, QApplication, QLabel
 
 
 def resources_dir() -> Path:
@@ -63,6 +64,7 @@ class Theme:
             "font_m": font_pt + 1,
         }
         chevron = tinted_file("chevron-down", c["muted"])
+        chevron_up = tinted_file("chevron-up", c["muted"])
         app.setStyle("Fusion")
         pal = QPalette()
         for role, key in (
@@ -85,8 +87,9 @@ class Theme:
         font = app.font()
         font.setPointSize(font_pt)
         app.setFont(font)
-        app.setStyleSheet(template.format(**c, **sizes, chevron=chevron))
+        app.setStyleSheet(template.format(**c, **sizes, chevron=chevron, chevron_up=chevron_up))
         icon.cache_clear()
+        retint_all(app)
 
 
 def tinted_file(name: str, color: str) -> str:
@@ -120,6 +123,59 @@ def icon(name: str, color_key: str = "text", size: int = 20) -> QIcon:
         pm.setDevicePixelRatio(scale)
         out.addPixmap(pm)
     return out
+
+
+def later(ms: int, widget: QObject, fn: Callable[[], object]) -> None:
+    """Run ``fn`` in ``ms`` milliseconds unless ``widget`` is gone by then (a "Copied" label
+    whose message was closed must not be touched)."""
+    import shiboken6
+
+    def run() -> None:
+        if shiboken6.isValid(widget):
+            fn()
+
+    QTimer.singleShot(ms, run)
+
+
+ICON_PROPERTY = "veilIcon"
+
+
+def set_icon(target: QObject, name: str, color_key: str = "text", size: int = 20) -> None:
+    """Give a button, action or label the theme-tinted icon NAME and remember it, so that
+    :meth:`Theme.apply` draws it again in the new theme's colours (an icon drawn once would keep
+    the old theme's colour and vanish against the new background)."""
+    target.setProperty(ICON_PROPERTY, f"{name}|{color_key}|{size}")
+    _draw_icon(target)
+
+
+def _icon_spec(target: QObject) -> str:
+    """The icon remembered on ``target`` ("" when none). Asks ``dynamicPropertyNames`` first:
+    PySide6 6.12's ``property()`` drops a reference to None for a missing property, and
+    enough of those crash the interpreter ("deallocating None")."""
+    if ICON_PROPERTY.encode() not in [bytes(n.data()) for n in target.dynamicPropertyNames()]:
+        return ""
+    return str(target.property(ICON_PROPERTY) or "")
+
+
+def _draw_icon(target: QObject) -> None:
+    spec = _icon_spec(target)
+    if not spec:
+        return
+    name, key, size_s = str(spec).split("|")
+    size = int(size_s)
+    ic = icon(name, key, size)
+    if isinstance(target, QLabel):
+        target.setPixmap(ic.pixmap(size, size))
+    elif isinstance(target, QAbstractButton | QAction):
+        target.setIcon(ic)
+
+
+def retint_all(app: QApplication) -> None:
+    """Redraw every icon set with :func:`set_icon` in the current theme."""
+    for w in app.allWidgets():
+        _draw_icon(w)
+        for a in w.actions():
+            _draw_icon(a)
 
 
 def app_icon() -> QIcon:

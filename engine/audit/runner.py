@@ -70,6 +70,15 @@ QUICK = AuditSettings(
 )
 
 
+def deepest_sending_depth(n_layers: int) -> int:
+    """The largest k at which a symmetric split still sends something to a server.
+
+    With k layers at each end the server runs layers [k, L - k); from k = L/2 (rounded up) on
+    that range is empty, the model runs fully locally and there is nothing to attack, so the
+    audit never measures such a depth."""
+    return max(0, (n_layers - 1) // 2)
+
+
 def _cat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(xs))
 
@@ -127,10 +136,13 @@ def _run_audit(
     resolved = model if isinstance(model, ResolvedModel) else resolve(model, progress)
     am = AuditModel(resolved)
     n = am.n_layers
-    top = n // 2
+    top = deepest_sending_depth(n)
     ks = sorted(set(int(k) for k in ks))
     if not ks or any(not 1 <= k <= top for k in ks):
-        raise SplitError(f"audit depths must be between 1 and {top} for this model, got {ks}")
+        raise SplitError(
+            f"audit depths must be between 1 and {top} for this model, got {ks}",
+            hint=f"at k >= {(n + 1) // 2} all {n} layers run locally and nothing is sent",
+        )
     noise_k = noise_k if noise_k is not None else (2 if 2 in ks else ks[0])
     if noise_k not in ks:
         raise SplitError(f"noise depth {noise_k} is not among the audited depths {ks}")

@@ -15,21 +15,40 @@ bit-identical projections to the same token decoded alone.
 Falls back to ``torch.nn.functional.linear`` when numba is missing or fails to compile, for
 non-float32 or non-CPU tensors, when autograd is recording, and for blocks above
 :data:`MAX_ROWS` rows (prefill), where BLAS is efficient.
+
+Quantized weights (:class:`engine.quant.QuantWeight`) go to the kernels of
+:mod:`engine.kernels._quant_mm` for every block size — prefill included — so all their products
+come from one batch-invariant code path. Without numba they are decoded tile by tile (numpy,
+exact) and multiplied by BLAS: correct, slower, and said so in :func:`status`.
+
+:mod:`engine.kernels.cpu` says what the CPU has (used to choose the default compute dtype).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
+import marshal
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from engine.quant import QuantWeight, Stacked
+
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 64  # blocks up to this many rows use the kernel; bigger ones (prefill) use BLAS
+# Blocks up to this many rows use the kernel; bigger ones (prefill) use BLAS. Above the
+# speculative decoder's largest block (a root and 64 draft nodes), so every verification block
+# takes the same batch-invariant path as a single decoded token.
+MAX_ROWS = 128
 
 _lock = threading.Lock()
 _kernel: Callable[..., None] | None = None
@@ -132,8 +151,26 @@ def _sync_threads(n: int) -> None:
         _local.threads = n
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T``: x [B, in], w [out, in] -> [B, out]."""
+def linear(
+    x: torch.Tensor, w: torch.Tensor | QuantWeight | Stacked, *, invariant: bool = False
+) -> torch.Tensor:
+    """``x @ w.T``: x [B, in], w [out, in] (a float tensor, quantized rows, or several of them
+    side by side) -> [B, out].
+
+    ``invariant``: the batching worker's call — a row's result must not depend on how many rows
+    share the call, at any row count (:mod:`engine.kernels.batched`; the quantized kernels
+    compute each row on its own and are invariant as they are)."""
+    if not isinstance(w, torch.Tensor):
+        parts = getattr(w, "parts", None)
+        if parts is not None:
+            return torch.cat([linear(x, p, invariant=invariant) for p in parts], dim=-1)
+        return _quant_linear(x, w)  # type: ignore[arg-type]
+    if invariant:
+        from engine.kernels import batched
+
+        return batched.linear(x, w)
+    if x.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype:
+        return _half_linear(x, w)
     if (
         x.shape[0] > MAX_ROWS
         or x.dtype != torch.float32
@@ -156,3 +193,262 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         _kernel(xc.numpy(), w.numpy(), y.numpy())
     _restore_threads(n)  # in case numba's pool (re)started in this call; see available()
     return y
+
+
+# --- bfloat16 / float16 ---------------------------------------------------------------------
+
+PAD_ROWS = 32  # low-precision products on CPUs with bf16/fp16 hardware run at this fixed shape
+
+
+def _half_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 products. Where the CPU has native bf16/fp16 units, oneDNN picks its GEMM
+    kernel (and so the order of the sums) by the number of rows; there every block up to
+    MAX_ROWS is computed in slices of exactly PAD_ROWS rows (zero-padded), so a row's result
+    does not depend on the block it came in. Elsewhere torch widens to float32 per row, which
+    we measured to be batch-invariant already, and the padding would only cost time."""
+    from engine.kernels import cpu
+
+    n = x.shape[0]
+    fast = cpu.has_fast_bf16() if x.dtype == torch.bfloat16 else cpu.has_fast_fp16()
+    if (
+        not fast
+        or n > MAX_ROWS
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    ):
+        return F.linear(x, w)
+    out = []
+    for m0 in range(0, n, PAD_ROWS):
+        xm = x[m0 : m0 + PAD_ROWS]
+        rows = xm.shape[0]
+        if rows < PAD_ROWS:
+            xm = torch.cat([xm, xm.new_zeros(PAD_ROWS - rows, x.shape[1])])  # [PAD_ROWS, in]
+        out.append(F.linear(xm, w)[:rows])
+    return torch.cat(out)
+
+
+# --- quantized weights ---------------------------------------------------------------------
+
+_qlock = threading.Lock()
+_qmod: Any = None
+_qreason = ""
+QUANT_ROWS = 256  # rows per kernel call (prefill is split into calls of this many rows)
+# Quantized products with int8 activations (llama.cpp's rule, engine.kernels._int_mm): ~2-3x
+# faster for one row, and they change the numbers (the activations are rounded to 8 bits per
+# block of 32). Off by default: then quantized weights are decoded to float and the products
+# are dequantize-then-multiply to float rounding.
+_int_acts = os.environ.get("VEIL_INT8_ACTIVATIONS", "0").strip().lower() in (
+    "1",
+    "on",
+    "true",
+    "yes",
+)
+
+
+def set_int8_activations(on: bool) -> None:
+    """Quantized products with int8 activations (faster, approximate) or float ones (exact
+    to float rounding). Process-wide: switch it only between generations."""
+    global _int_acts
+    _int_acts = on
+
+
+def int8_activations() -> bool:
+    return _int_acts
+
+
+def _quant_cache_dir() -> str:
+    """numba's cache for the quantized kernels, keyed by the source that generates their
+    machine code (the IR emitters live in another file than the cached functions, and numba
+    checks only the latter's timestamp)."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in ("_ir.py", "_ir_int.py", "_quant_mm.py", "_int_mm.py", "_fused_layer.py"):
+        try:
+            h.update((here / name).read_bytes())
+        except OSError:  # a frozen app holds bytecode only: key by that
+            mod = f"{__name__}.{name[:-3]}"
+            spec = importlib.util.find_spec(mod)
+            get_code = getattr(spec.loader if spec is not None else None, "get_code", None)
+            code = get_code(mod) if get_code is not None else None
+            h.update(marshal.dumps(code) if code is not None else name.encode())
+    return os.path.join(_cache_dir(), "quant-" + h.hexdigest()[:12])
+
+
+def _build_quant() -> Any:
+    import numba
+
+    old = getattr(numba.config, "CACHE_DIR", "")
+    folder = _quant_cache_dir()
+    numba.config.CACHE_DIR = folder  # type: ignore[attr-defined]
+    try:
+        from engine.kernels import _fused_layer, _int_mm, _quant_mm
+    finally:
+        numba.config.CACHE_DIR = old  # type: ignore[attr-defined]
+    _quant_mm.entry = _fused_layer.entry  # type: ignore[attr-defined]
+    _quant_mm.layers_dir = os.path.join(folder, "layers")  # type: ignore[attr-defined]
+    _quant_mm.IMATMUL = _int_mm.IMATMUL  # type: ignore[attr-defined]
+    return _quant_mm
+
+
+def quant_available() -> bool:
+    """Whether the quantized kernels are usable (compiled per format on first use)."""
+    global _qmod, _qreason
+    if not _enabled:
+        return False
+    if _qmod is None and not _qreason:
+        with _qlock:
+            if _qmod is None and not _qreason:
+                threads = torch.get_num_threads()
+                try:
+                    _qmod = _build_quant()
+                except Exception as exc:
+                    _qreason = f"{type(exc).__name__}: {exc}"
+                    log.info("quantized kernels unavailable, decoding tiles for BLAS: %s", _qreason)
+                finally:
+                    _restore_threads(threads)
+    return _qmod is not None
+
+
+def quant_status() -> str:
+    if not _enabled:
+        return "tile decode + BLAS (kernels disabled by VEIL_KERNELS=0)"
+    if quant_available():
+        acts = "int8 activations" if _int_acts else "float activations"
+        return f"numba quantized kernels ({acts})"
+    return f"tile decode + BLAS ({_qreason})"
+
+
+def _reference_rows(w: QuantWeight, idx: np.ndarray) -> np.ndarray:
+    """Rows decoded by the gguf package's numpy reference (no numba)."""
+    if w.fmt == "int8":
+        q = w.data[idx].view(np.int8).astype(np.float32)
+        return q * w.scale[idx, None]  # type: ignore[no-any-return]
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, w.fmt.upper())
+    return gguf.quants.dequantize(w.data[idx], qtype).astype(np.float32)  # type: ignore[no-any-return]
+
+
+def dequantize_rows(w: QuantWeight, idx: np.ndarray) -> torch.Tensor:
+    """float32 [len(idx), K]: rows ``idx`` of ``w`` decoded."""
+    idx = np.ascontiguousarray(idx, dtype=np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= w.shape[0]):
+        raise IndexError("row index out of range")
+    if not quant_available():
+        return torch.from_numpy(_reference_rows(w, idx))
+    out = np.empty((idx.shape[0], w.k), dtype=np.float32)
+    if idx.size:
+        _run(lambda: _qmod.ROWS[w.fmt](w.data, w.scale, idx, out))
+    return torch.from_numpy(out)
+
+
+def _run(fn: Callable[[], None]) -> None:
+    n = torch.get_num_threads()
+    with _lock:  # numba's fallback threading layer is not re-entrant
+        _sync_threads(_threads or n)
+        fn()
+    _restore_threads(n)
+
+
+def _quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    m = x.shape[0]
+    if (
+        _qmod is not None
+        and _enabled
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and 0 < m <= QUANT_ROWS
+        and x.shape[1] == w.k
+        and x.is_contiguous()
+        and x.device.type == "cpu"
+        and not (x.requires_grad and torch.is_grad_enabled())
+    ):  # the decode path, kept short: it runs ~4 times per layer per token
+        y = torch.empty(m, w.data.shape[0], dtype=torch.float32)  # [B, out]
+        n = torch.get_num_threads()
+        nt = _threads or n
+        with _lock:
+            if getattr(_local, "threads", None) != nt:
+                _sync_threads(nt)
+            table = _qmod.IMATMUL if _int_acts else _qmod.MATMUL
+            table[w.fmt](x.numpy(), w.data, w.scale, y.numpy(), nt)
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return y
+    return _quant_linear_general(x, w)
+
+
+def _quant_linear_general(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"cannot multiply {tuple(x.shape)} by quantized {w.shape}")
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+        return F.linear(x, w.dequantize().to(device=x.device, dtype=x.dtype))
+    out_dtype = x.dtype
+    xf = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)  # [B, out]
+    if x.shape[0] == 0:
+        return y.to(out_dtype)
+    if not quant_available():
+        tile = 1024
+        for n0 in range(0, w.shape[0], tile):
+            rows = np.arange(n0, min(n0 + tile, w.shape[0]))
+            y[:, n0 : n0 + tile] = xf @ torch.from_numpy(_reference_rows(w, rows)).t()
+        return y.to(out_dtype)
+    fn = (_qmod.IMATMUL if _int_acts else _qmod.MATMUL)[w.fmt]
+    xs, ys = xf.numpy(), y.numpy()
+    nt = threads()
+    for m0 in range(0, x.shape[0], QUANT_ROWS):
+        xm, ym = xs[m0 : m0 + QUANT_ROWS], ys[m0 : m0 + QUANT_ROWS]
+
+        def call(xm: np.ndarray = xm, ym: np.ndarray = ym) -> None:
+            fn(xm, w.data, w.scale, ym, nt)
+
+        _run(call)
+    return y.to(out_dtype)
+
+
+def fused_layer(
+    x: torch.Tensor,
+    args: tuple[Any, ...],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    mask: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """One decoder layer with quantized matrices in one compiled call (``_fused_layer``),
+    updating ``x`` [B, H] (float32, contiguous, owned by the caller) and the layer's cache
+    ``k_cache``/``v_cache`` [nkv, capacity, hd] in place. ``args``: from
+    :func:`engine.model.fused_args`."""
+    assert _qmod is not None
+    m = mask.numpy() if mask is not None else _NO_MASK
+    n = torch.get_num_threads()
+    nt = _threads or n
+    with _lock:
+        if getattr(_local, "threads", None) != nt:
+            _sync_threads(nt)
+        codes = tuple(c + 16 for c in args[7]) if _int_acts else args[7]
+        layer = _qmod.entry(codes, _qmod.layers_dir)
+        layer(
+            x.numpy(),
+            *args[:7],
+            args[8],
+            cos.numpy(),
+            sin.numpy(),
+            k_cache.numpy(),
+            v_cache.numpy(),
+            start,
+            m,
+            mask is not None,
+            args[9],
+            eps,
+            nt,
+        )
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return x
+
+
+_NO_MASK = np.ones((1, 1), dtype=np.bool_)

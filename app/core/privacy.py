@@ -1,0 +1,100 @@
+"""What the privacy panel says at a split setting: one word, one plain sentence, the audit
+figure behind them, and the welcome text that must agree with all three.
+
+Qt-free. The rule the panel never breaks: when the model runs fully on this computer nothing is
+sent, so there is no recovery figure, no audit to run and nothing for an old audit to say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.core.audit_info import AuditFigure
+from engine.split import SplitPlan
+
+# (lowest worst-case top-1 recovery, level word, colour key, what the server could read)
+LEVELS = (
+    (0.5, "High", "bad", "Someone who runs the server could read most of what you type."),
+    (0.1, "Medium", "warn", "Someone who runs the server could read some of what you type."),
+    (0.0, "Low", "ok", "Someone who runs the server could make out only a few of your words."),
+)
+NONE_SENTENCE = "Nothing you type leaves this computer."
+UNKNOWN_SENTENCE = (
+    "This setting has not been audited: assume someone who runs the server could read what "
+    "you type."
+)
+
+
+def level_for(top1: float) -> tuple[str, str, str]:
+    """(level word, colour key, sentence) for a worst-case top-1 recovery share."""
+    for floor, word, color, sentence in LEVELS:
+        if top1 >= floor:
+            return word, color, sentence
+    return LEVELS[-1][1:]
+
+
+def fully_local(n_layers: int, k: int) -> bool:
+    """True when ``k`` layers at each end are the whole model: no server, nothing sent."""
+    top = (n_layers + 1) // 2
+    return SplitPlan.symmetric(n_layers, max(1, min(k, top))).fully_local
+
+
+@dataclass(frozen=True)
+class PrivacyView:
+    """Everything the panel shows about privacy at one setting."""
+
+    level: str  # one word: None | Low | Medium | High | Unknown
+    color: str  # theme colour key
+    sentence: str  # one plain sentence
+    figure: str  # the audit figure ("99%"), or what stands in for it
+    caption: str  # where the figure comes from ("" when there is nothing to cite)
+    tooltip: str  # the attack behind the worst case (technical, for the curious)
+    local: bool  # fully on this computer
+    audited: bool  # the figure comes from an audit
+
+    @property
+    def accessible(self) -> str:
+        return f"Privacy risk {self.level}. {self.sentence} {self.caption}".strip()
+
+
+def describe(n_layers: int | None, k: int, fig: AuditFigure | None) -> PrivacyView:
+    """The panel's words for split ``k``; ``fig`` is the audit figure (ignored when local)."""
+    if n_layers is not None and fully_local(n_layers, k):
+        return PrivacyView(
+            "None", "ok", NONE_SENTENCE, "nothing is sent",
+            "No server is used at this setting, so there is nothing to audit.", "", True, False,
+        )  # fmt: skip
+    if fig is None or fig.top1 is None:
+        if fig is not None and fig.date:
+            caption = f"This setting was not measured in the privacy audit of {fig.date}."
+        else:
+            caption = "This model has not been audited yet."
+        value = "not measured" if fig is not None and fig.date else "not audited yet"
+        return PrivacyView("Unknown", "warn", UNKNOWN_SENTENCE, value, caption, "", False, False)
+    word, color, sentence = level_for(fig.top1)
+    caption = (
+        f"The privacy audit of {fig.date} recovered {fig.value} of words at this setting "
+        "(worst case of all attacks)."
+    )
+    tip = f"Worst case over all attacks: {fig.attack}" if fig.attack else ""
+    return PrivacyView(word, color, sentence, fig.value, caption, tip, False, True)
+
+
+def welcome_text(view: PrivacyView) -> str:
+    """The empty chat's explanation, in the same words as the panel beside it."""
+    if view.local:
+        return (
+            "Everything runs on this computer at the current setting: nothing you type is sent "
+            "anywhere. Move the slider to the left to use the server and answer faster."
+        )
+    how = (
+        "Veil keeps the start and the end of the model on this computer and sends the server "
+        "numbers instead of your text."
+    )
+    if view.level == "Unknown":
+        return f"{how} Those numbers can still reveal your words. {UNKNOWN_SENTENCE}"
+    return (
+        f"{how} Those numbers can be turned back into words: at the current setting "
+        f"{view.sentence[0].lower()}{view.sentence[1:]} Use a server you trust, or move the "
+        "slider all the way to the right to keep everything here."
+    )

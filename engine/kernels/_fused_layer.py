@@ -1,0 +1,300 @@
+"""One decoder layer as one compiled call, for quantized weights (numba; imported lazily).
+
+At the small end the time per token goes to the ~25 tensor operations a layer costs in torch
+(4-6 µs of dispatch each on the 2-core machine we measured, against ~1 µs to enter a compiled
+function), not to arithmetic: SmolLM2-135M spent ~5 ms of a ~13 ms token there. This module
+runs the whole pre-norm layer — RMSNorm, the q|k|v product and bias, rotary embeddings, the
+K/V cache write, attention over the cache under the block's mask, the output product, RMSNorm,
+gate|up, SiLU, down — in one call, for any block size, with the quantized products of
+:mod:`engine.kernels._quant_mm`.
+
+Exactness: every row is computed by the same code whatever the block size (norms, rotary
+embeddings and attention are per row; the products are batch-invariant), so speculative
+verification and sequential decoding give the same bits. The float32 reference path
+(``--client-quant none``) keeps the torch layer of :mod:`engine.model`, token-identical to
+transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+from numba import literally, njit, types
+from numba.core import errors
+from numba.extending import overload
+
+from engine.kernels._int_mm import (
+    im_int8,
+    im_q4_0,
+    im_q4_1,
+    im_q4_k,
+    im_q5_0,
+    im_q5_1,
+    im_q5_k,
+    im_q6_k,
+    im_q8_0,
+)
+from engine.kernels._quant_mm import (
+    mm_int8,
+    mm_q4_0,
+    mm_q4_1,
+    mm_q4_k,
+    mm_q5_0,
+    mm_q5_1,
+    mm_q5_k,
+    mm_q6_k,
+    mm_q8_0,
+)
+
+# numba caches a frozen app's functions too (in the user cache, keyed by the executable)
+CACHE = True
+_OPTS: dict[str, Any] = {"boundscheck": False, "nogil": True, "cache": CACHE}
+
+
+# format code -> its product (engine.kernels._ir.CODES; from 16 up: int8 activations)
+KERNELS: dict[int, Any] = {
+    0: mm_q8_0,
+    1: mm_q4_0,
+    2: mm_q4_1,
+    3: mm_q4_k,
+    4: mm_q6_k,
+    5: mm_int8,
+    6: mm_q5_0,
+    7: mm_q5_1,
+    8: mm_q5_k,
+    16: im_q8_0,
+    17: im_q4_0,
+    18: im_q4_1,
+    19: im_q4_k,
+    20: im_q6_k,
+    21: im_int8,
+    22: im_q5_0,
+    23: im_q5_1,
+    24: im_q5_k,
+}
+
+
+def product(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
+    """y = x @ dequant(w).T for the format code ``fmt`` (a compile-time constant: only that
+    format's kernel is compiled into the caller)."""
+    KERNELS[fmt](x, w, scale, y, threads)
+
+
+@overload(product, prefer_literal=True)
+def _product(fmt: Any, x: Any, w: Any, scale: Any, y: Any, threads: Any) -> Any:
+    if not isinstance(fmt, types.IntegerLiteral):
+        raise errors.RequireLiteralValue(fmt)
+    kernel = KERNELS[fmt.literal_value]
+
+    def impl(fmt: Any, x: Any, w: Any, scale: Any, y: Any, threads: Any) -> None:
+        kernel(x, w, scale, y, threads)
+
+    return impl
+
+
+@njit(fastmath=True, **_OPTS)  # type: ignore[untyped-decorator]
+def rms_norm_rows(x: Any, weight: Any, eps: float, out: Any) -> None:
+    """out[b] = weight * x[b] / sqrt(mean(x[b]^2) + eps), per row."""
+    n = x.shape[1]
+    for b in range(x.shape[0]):
+        ss = np.float32(0.0)
+        for i in range(n):
+            ss += x[b, i] * x[b, i]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(n) + np.float32(eps))
+        for i in range(n):
+            out[b, i] = weight[i] * (x[b, i] * inv)
+
+
+@njit(fastmath=True, **_OPTS)  # type: ignore[untyped-decorator]
+def rope_rows(v: Any, col: int, heads: int, hd: int, cos: Any, sin: Any) -> None:
+    """Rotary embedding (rotate-half layout) in place on ``heads`` heads of ``v`` [B, *]
+    starting at column ``col``."""
+    half = hd // 2
+    tmp = np.empty(hd, dtype=np.float32)
+    for b in range(v.shape[0]):
+        for h in range(heads):
+            o = col + h * hd
+            for i in range(hd):
+                tmp[i] = v[b, o + i]
+            for i in range(half):
+                v[b, o + i] = tmp[i] * cos[b, i] - tmp[i + half] * sin[b, i]
+                v[b, o + half + i] = tmp[half + i] * cos[b, half + i] + tmp[i] * sin[b, half + i]
+
+
+@njit(fastmath=True, **_OPTS)  # type: ignore[untyped-decorator]
+def attend(
+    qkv: Any, kc: Any, vc: Any, length: int, mask: Any, masked: bool, nh: int, nkv: int, out: Any
+) -> None:
+    """out[b, h*hd:(h+1)*hd] = softmax(q . K / sqrt(hd)) V over the ``length`` live cache
+    slots (those ``mask[b]`` allows), grouped-query heads sharing K/V."""
+    hd = kc.shape[2]
+    group = nh // nkv
+    scale = np.float32(1.0 / math.sqrt(hd))
+    scores = np.empty(length, dtype=np.float32)
+    acc = np.empty(hd, dtype=np.float32)
+    for b in range(qkv.shape[0]):
+        for h in range(nh):
+            g = h // group
+            q0 = h * hd
+            top = np.float32(-np.inf)
+            for t in range(length):
+                if masked and not mask[b, t]:
+                    scores[t] = -np.inf
+                    continue
+                s = np.float32(0.0)
+                for i in range(hd):
+                    s += qkv[b, q0 + i] * kc[g, t, i]
+                s *= scale
+                scores[t] = s
+                top = max(top, s)
+            den = np.float32(0.0)
+            for i in range(hd):
+                acc[i] = 0.0
+            for t in range(length):
+                if scores[t] == -np.inf:
+                    continue
+                p = np.float32(math.exp(scores[t] - top))
+                den += p
+                for i in range(hd):
+                    acc[i] += p * vc[g, t, i]
+            for i in range(hd):
+                out[b, q0 + i] = acc[i] / den
+
+
+@njit(**_OPTS)  # type: ignore[untyped-decorator]
+def layer_body(
+    f_qkv: int,
+    f_o: int,
+    f_gu: int,
+    f_down: int,
+    x: Any,
+    ln1: Any,
+    qkv_w: Any,
+    bias: Any,
+    wo: Any,
+    ln2: Any,
+    gu_w: Any,
+    down_w: Any,
+    scales: Any,
+    cos: Any,
+    sin: Any,
+    kc: Any,
+    vc: Any,
+    start: int,
+    mask: Any,
+    masked: bool,
+    dims: Any,
+    eps: float,
+    threads: int,
+) -> None:
+    """One decoder layer on the block ``x`` [B, H], in place. ``f_*``: format codes of the
+    four products, compile-time constants (see :func:`entry`); ``scales``: their per-row scale
+    arrays as a tuple; ``dims``: (heads, kv heads, head dim, intermediate size); ``bias``:
+    [(nh + 2 nkv) hd] or empty."""
+    literally(f_qkv)
+    literally(f_o)
+    literally(f_gu)
+    literally(f_down)
+    nh, nkv, hd, inter = dims[0], dims[1], dims[2], dims[3]
+    rows, hid = x.shape
+    h = np.empty((rows, hid), dtype=np.float32)
+    rms_norm_rows(x, ln1, eps, h)
+    qkv = np.empty((rows, (nh + 2 * nkv) * hd), dtype=np.float32)
+    product(f_qkv, h, qkv_w, scales[0], qkv, threads)
+    if bias.shape[0]:
+        for b in range(rows):
+            for i in range(qkv.shape[1]):
+                qkv[b, i] += bias[i]
+    rope_rows(qkv, 0, nh, hd, cos, sin)
+    rope_rows(qkv, nh * hd, nkv, hd, cos, sin)
+    for b in range(rows):
+        for g in range(nkv):
+            for i in range(hd):
+                kc[g, start + b, i] = qkv[b, (nh + g) * hd + i]
+                vc[g, start + b, i] = qkv[b, (nh + nkv + g) * hd + i]
+    att = np.empty((rows, nh * hd), dtype=np.float32)
+    attend(qkv, kc, vc, start + rows, mask, masked, nh, nkv, att)
+    o = np.empty((rows, hid), dtype=np.float32)
+    product(f_o, att, wo, scales[1], o, threads)
+    for b in range(rows):
+        for i in range(hid):
+            x[b, i] += o[b, i]
+    rms_norm_rows(x, ln2, eps, h)
+    gu = np.empty((rows, 2 * inter), dtype=np.float32)
+    product(f_gu, h, gu_w, scales[2], gu, threads)
+    act = np.empty((rows, inter), dtype=np.float32)
+    for b in range(rows):
+        for i in range(inter):
+            g = gu[b, i]
+            act[b, i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * gu[b, inter + i]
+    product(f_down, act, down_w, scales[3], o, threads)
+    for b in range(rows):
+        for i in range(hid):
+            x[b, i] += o[b, i]
+
+
+_ENTRY = """\"\"\"Generated by Veil (engine.kernels._fused_layer.entry); do not edit: the one-call
+decoder layer for the product formats {codes} (numba caches its machine code beside it).\"\"\"
+
+from numba import njit
+
+from engine.kernels._fused_layer import layer_body
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def layer(x, ln1, qkv_w, bias, wo, ln2, gu_w, down_w, scales, cos, sin, kc, vc, start, mask,
+          masked, dims, eps, threads):
+    layer_body({a}, {b}, {c}, {d}, x, ln1, qkv_w, bias, wo, ln2, gu_w, down_w, scales, cos,
+               sin, kc, vc, start, mask, masked, dims, eps, threads)
+"""
+_entries: dict[tuple[int, ...], Any] = {}
+
+
+def entry(codes: tuple[int, int, int, int], folder: str) -> Any:
+    """The compiled layer for these four format codes (q|k|v, o, gate|up, down).
+
+    Each combination is a tiny generated module in ``folder`` that calls :func:`layer_body` with
+    the codes as constants, so a model compiles only the kernels it uses (one format: seconds;
+    all eighteen: minutes), and numba caches each combination's machine code on disk — which a
+    module defined here could not do per combination, and a frozen app could not do at all."""
+    fn = _entries.get(codes)
+    if fn is not None:
+        return fn
+    name = "veil_layer_" + "_".join(str(c) for c in codes)
+    a, b, c, d = codes
+    text = _ENTRY.format(codes=codes, a=a, b=b, c=c, d=d)
+    try:
+        path = _write_once(os.path.join(folder, name + ".py"), text)
+    except OSError:  # an unwritable cache folder: compile from a temporary copy, uncached
+        path = _write_once(os.path.join(tempfile.mkdtemp(prefix="veil-layer-"), name + ".py"), text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    fn = module.layer
+    _entries[codes] = fn
+    return fn
+
+
+def _write_once(path: str, text: str) -> str:
+    """``text`` at ``path``, written only when the file differs (a new timestamp would
+    invalidate numba's cache for it); atomic, so concurrent processes agree."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            if fh.read() == text:
+                return path
+    except OSError:
+        pass
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+    return path

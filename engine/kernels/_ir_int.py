@@ -1,0 +1,260 @@
+"""Integer dot products of quantized weight blocks with int8 activations (LLVM IR emitters).
+
+The activations of a row are quantized per block of 32 (int8 values, a float32 scale, and the
+dequantized sum of every 16 values, for the formats' offsets and minimums), the way llama.cpp
+multiplies its blocks. A block's 32 products are then 2 instructions on AVX2 (``vpmaddubsw``:
+unsigned weight bytes times signed activation bytes, pairs summed to 16 bits; ``vpmaddwd``:
+pairs summed to 32 bits), about a quarter of the work of widening every weight to float. Where
+the host has no AVX2 the same sums are written in portable IR (exact integers either way, so
+both give the same bits).
+
+Each emitter adds one block's contribution to a row's accumulators: ``acc_v`` (8 floats, the
+block's integer partial sums times the product of the weight and activation scales) and
+``acc_s`` (a float, the offset/minimum terms). Integer sums are exact and every float operation
+has a fixed order, so the result of a row depends only on that row (batch invariance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+from llvmlite import ir
+from numba.core import cgutils
+
+from engine.kernels import cpu
+from engine.kernels._ir import (
+    F32,
+    I8,
+    I32,
+    I64,
+    _high_bits,
+    _k4_scale_min,
+    _nibbles,
+    byte_ptr,
+    const_vec,
+    fma,
+    load_half,
+    load_vec,
+    splat,
+    vec,
+)
+
+I16 = ir.IntType(16)
+
+
+@cache
+def _avx2() -> bool:
+    return "avx2" in cpu.features()
+
+
+def _x86(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    fn = cgutils.get_or_insert_function(
+        b.module, ir.FunctionType(ret, [a.type for a in args]), name
+    )
+    return b.call(fn, args)
+
+
+def _pair_sums16(b: ir.IRBuilder, p: ir.Value) -> ir.Value:
+    """<32 x i32> products -> <16 x i32>: sums of lanes (2i, 2i + 1)."""
+    ev = b.shuffle_vector(p, p, ir.Constant(vec(I32, 16), list(range(0, 32, 2))))
+    od = b.shuffle_vector(p, p, ir.Constant(vec(I32, 16), list(range(1, 32, 2))))
+    return b.add(ev, od)
+
+
+def _pairs(b: ir.IRBuilder, p: ir.Value) -> ir.Value:
+    """<16 x i32> -> <8 x i32>: sums of lanes (2i, 2i + 1)."""
+    ev = b.shuffle_vector(p, p, ir.Constant(vec(I32, 8), list(range(0, 16, 2))))
+    od = b.shuffle_vector(p, p, ir.Constant(vec(I32, 8), list(range(1, 16, 2))))
+    return b.add(ev, od)
+
+
+def dot_u8s8(
+    b: ir.IRBuilder, u: ir.Value, s: ir.Value, scales16: ir.Value | None = None
+) -> ir.Value:
+    """<8 x i32>: lane j = sum of u[i] * s[i] for i in 4j .. 4j + 3 (u unsigned < 128, s
+    signed bytes), each pair of 16-bit sums first multiplied by ``scales16`` [16 x i16] if
+    given (Q6_K's per-16 scales)."""
+    if _avx2():
+        p16 = _x86(b, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [u, s])
+        w = scales16 if scales16 is not None else const_vec(I16, 16, 1)
+        return _x86(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [p16, w])
+    prod = b.mul(b.zext(u, vec(I32, 32)), b.sext(s, vec(I32, 32)))  # [32]
+    p16 = _pair_sums16(b, prod)  # [16]
+    if scales16 is not None:
+        p16 = b.mul(p16, b.sext(scales16, vec(I32, 16)))
+    return _pairs(b, p16)
+
+
+def dot_s8s8(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> ir.Value:
+    """As :func:`dot_u8s8` for signed weights (|w| times s carrying w's sign)."""
+    if _avx2():
+        absw = cgutils.get_or_insert_function(
+            b.module, ir.FunctionType(vec(I8, 32), [vec(I8, 32), ir.IntType(1)]), "llvm.abs.v32i8"
+        )
+        u = b.call(absw, [w, ir.Constant(ir.IntType(1), 0)])
+        sg = _x86(b, "llvm.x86.avx2.psign.b", vec(I8, 32), [s, w])
+        return dot_u8s8(b, u, sg)
+    prod = b.mul(b.sext(w, vec(I32, 32)), b.sext(s, vec(I32, 32)))
+    return _pairs(b, _pair_sums16(b, prod))
+
+
+class Acts:
+    """Pointers to one activation row's quantized form at a block: int8 values ``q``, the
+    per-32 scales ``d`` and the per-16 dequantized sums ``s`` (all at element offsets)."""
+
+    def __init__(self, b: ir.IRBuilder, q: ir.Value, d: ir.Value, s: ir.Value) -> None:
+        self.b, self.q, self.d, self.s = b, q, d, s
+
+    def values(self, first: int) -> ir.Value:
+        """<32 x i8> activations ``first .. first + 32``."""
+        return load_vec(self.b, byte_ptr(self.b, self.q, first), I8, 32)
+
+    def scale(self, first: int) -> ir.Value:
+        """Scale of the 32-block holding element ``first``."""
+        return self.b.load(self.b.gep(self.d, [ir.Constant(I64, first // 32)]))
+
+    def sum16(self, first: int) -> ir.Value:
+        """Dequantized sum of elements ``first .. first + 16``."""
+        return self.b.load(self.b.gep(self.s, [ir.Constant(I64, first // 16)]))
+
+    def sum32(self, first: int) -> ir.Value:
+        return self.b.fadd(self.sum16(first), self.sum16(first + 16))
+
+
+class Acc:
+    """A row's accumulators (allocas: SROA keeps them in registers)."""
+
+    def __init__(self, b: ir.IRBuilder) -> None:
+        self.b = b
+        self.v = cgutils.alloca_once(b, vec(F32, 8))
+        self.s = cgutils.alloca_once(b, F32)
+        b.store(ir.Constant(vec(F32, 8), [0.0] * 8), self.v)
+        b.store(ir.Constant(F32, 0.0), self.s)
+
+    def add_int(self, isum: ir.Value, scale: ir.Value) -> None:
+        b = self.b
+        b.store(fma(b, b.sitofp(isum, vec(F32, 8)), splat(b, scale, 8), b.load(self.v)), self.v)
+
+    def add(self, value: ir.Value) -> None:
+        self.b.store(self.b.fadd(self.b.load(self.s), value), self.s)
+
+
+def _u32(b: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
+    """Two <16 x i8> halves -> <32 x i8> (values 0-15, then 16-31)."""
+    return b.shuffle_vector(lo, hi, ir.Constant(vec(I32, 32), list(range(32))))
+
+
+def int_q8_0(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+    w = load_vec(b, byte_ptr(b, p, 2), I8, 32)
+    acc.add_int(dot_s8s8(b, w, x.values(0)), b.fmul(load_half(b, p), x.scale(0)))
+
+
+def int_int8(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+    acc.add_int(dot_s8s8(b, load_vec(b, p, I8, 32), x.values(0)), b.fmul(scale, x.scale(0)))
+
+
+def int_q4_0(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+    d = load_half(b, p)
+    u = _u32(b, *_nibbles(b, byte_ptr(b, p, 2), 16))
+    acc.add_int(dot_u8s8(b, u, x.values(0)), b.fmul(d, x.scale(0)))
+    acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -8.0)), x.sum32(0)))
+
+
+def int_q4_1(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+    u = _u32(b, *_nibbles(b, byte_ptr(b, p, 4), 16))
+    acc.add_int(dot_u8s8(b, u, x.values(0)), b.fmul(load_half(b, p), x.scale(0)))
+    acc.add(b.fmul(load_half(b, byte_ptr(b, p, 2)), x.sum32(0)))
+
+
+def _q5_u(b: ir.IRBuilder, qs: ir.Value, qh_ptr: ir.Value) -> ir.Value:
+    qh = b.load(b.bitcast(qh_ptr, ir.PointerType(I32)), align=1)
+    lo, hi = _nibbles(b, qs, 16)
+    return _u32(b, b.or_(lo, _high_bits(b, qh, 0, 16)), b.or_(hi, _high_bits(b, qh, 16, 16)))
+
+
+def int_q5_0(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+    d = load_half(b, p)
+    u = _q5_u(b, byte_ptr(b, p, 6), byte_ptr(b, p, 2))
+    acc.add_int(dot_u8s8(b, u, x.values(0)), b.fmul(d, x.scale(0)))
+    acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -16.0)), x.sum32(0)))
+
+
+def int_q5_1(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+    u = _q5_u(b, byte_ptr(b, p, 8), byte_ptr(b, p, 4))
+    acc.add_int(dot_u8s8(b, u, x.values(0)), b.fmul(load_half(b, p), x.scale(0)))
+    acc.add(b.fmul(load_half(b, byte_ptr(b, p, 2)), x.sum32(0)))
+
+
+def _int_k(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, five: bool) -> None:
+    d = load_half(b, p)
+    dmin = load_half(b, byte_ptr(b, p, 2))
+    s = byte_ptr(b, p, 4)
+    qh = load_vec(b, byte_ptr(b, p, 16), I8, 32) if five else None
+    qs = 48 if five else 16
+    for pair in range(4):
+        lo, hi = _nibbles(b, byte_ptr(b, p, qs + 32 * pair), 32)
+        for half, u in ((0, lo), (1, hi)):
+            j = 2 * pair + half
+            if qh is not None:
+                top = b.and_(b.lshr(qh, const_vec(I8, 32, j)), const_vec(I8, 32, 1))
+                u = b.or_(u, b.shl(top, const_vec(I8, 32, 4)))
+            sc, mn = _k4_scale_min(b, s, j)
+            dsc = b.fmul(d, b.uitofp(sc, F32))
+            acc.add_int(dot_u8s8(b, u, x.values(32 * j)), b.fmul(dsc, x.scale(32 * j)))
+            acc.add(b.fmul(b.fneg(b.fmul(dmin, b.uitofp(mn, F32))), x.sum32(32 * j)))
+
+
+def int_q4_k(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+    _int_k(b, p, x, acc, five=False)
+
+
+def int_q5_k(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+    _int_k(b, p, x, acc, five=True)
+
+
+def int_q6_k(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+    d = load_half(b, byte_ptr(b, p, 208))
+    sc = byte_ptr(b, p, 192)
+    three, fifteen = const_vec(I8, 32, 3), const_vec(I8, 32, 15)
+    offset = ir.Constant(F32, 0.0)
+    for h in range(2):
+        ql0 = load_vec(b, byte_ptr(b, p, 64 * h), I8, 32)
+        ql1 = load_vec(b, byte_ptr(b, p, 64 * h + 32), I8, 32)
+        qh = load_vec(b, byte_ptr(b, p, 128 + 32 * h), I8, 32)
+        for c in range(4):
+            low = ql0 if c % 2 == 0 else ql1
+            low = b.and_(low, fifteen) if c < 2 else b.lshr(low, const_vec(I8, 32, 4))
+            high = b.and_(b.lshr(qh, const_vec(I8, 32, 2 * c)), three)
+            u = b.or_(low, b.shl(high, const_vec(I8, 32, 4)))  # q + 32, 0..63
+            first = 128 * h + 32 * c
+            sa, sb = (b.load(b.gep(sc, [ir.Constant(I64, 8 * h + 2 * c + i)])) for i in range(2))
+            s16 = b.shuffle_vector(
+                splat(b, b.sext(sa, I16), 8),
+                splat(b, b.sext(sb, I16), 8),
+                ir.Constant(vec(I32, 16), list(range(16))),
+            )
+            acc.add_int(dot_u8s8(b, u, x.values(first), s16), b.fmul(d, x.scale(first)))
+            # the -32 of every value: -32 * d * (sa * sum16 + sb * sum16)
+            part = b.fadd(
+                b.fmul(b.sitofp(sa, F32), x.sum16(first)),
+                b.fmul(b.sitofp(sb, F32), x.sum16(first + 16)),
+            )
+            offset = b.fadd(offset, part)
+    acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -32.0)), offset))
+
+
+IntEmitter = Callable[[ir.IRBuilder, ir.Value, Acts, Acc, ir.Value], None]
+
+# by format code (engine.kernels._ir.CODES)
+INT_FORMATS: tuple[IntEmitter, ...] = (
+    int_q8_0,
+    int_q4_0,
+    int_q4_1,
+    int_q4_k,
+    int_q6_k,
+    int_int8,
+    int_q5_0,
+    int_q5_1,
+    int_q5_k,
+)

@@ -1,0 +1,87 @@
+"""What this CPU can do fast, for choosing kernels and the default compute dtype.
+
+Features come from the LLVM host description numba compiles for (the same code generator that
+builds the kernels, so "has avx512bf16" means the kernels could use it), with /proc/cpuinfo as
+the fallback. Nothing here runs a benchmark: choices are by feature, and the measurements that
+justify them are in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+# /proc/cpuinfo spellings -> LLVM spellings, for the features we care about
+_CPUINFO = {
+    "avx2": "avx2",
+    "fma": "fma",
+    "f16c": "f16c",
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512_vnni": "avx512vnni",
+    "avx_vnni": "avxvnni",
+    "avx512_bf16": "avx512bf16",
+    "avx512_fp16": "avx512fp16",
+    "amx_bf16": "amx-bf16",
+    "amx_int8": "amx-int8",
+    "amx_fp16": "amx-fp16",
+    "amx_tile": "amx-tile",
+}
+
+
+@functools.cache
+def features() -> frozenset[str]:
+    """LLVM names of the host CPU's features (``avx2``, ``avx512bf16``, ``amx-bf16``, ...)."""
+    try:
+        import llvmlite.binding as llvm
+
+        flat = llvm.get_host_cpu_features().flatten()
+        return frozenset(f[1:] for f in flat.split(",") if f.startswith("+"))
+    except Exception:  # no llvmlite, or a platform it cannot describe
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                have = set(line.split(":", 1)[1].split())
+                return frozenset(v for k, v in _CPUINFO.items() if k in have)
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_fast_bf16() -> bool:
+    """Native bfloat16 dot products (AVX512-BF16 or AMX-BF16): bf16 GEMMs beat float32 there.
+    Without them torch converts bf16 to float32 in software, which is slower than float32."""
+    f = features()
+    return "avx512bf16" in f or "amx-bf16" in f
+
+
+def has_fast_fp16() -> bool:
+    """Native float16 arithmetic (AVX512-FP16 or AMX-FP16)."""
+    f = features()
+    return "avx512fp16" in f or "amx-fp16" in f
+
+
+def has_int8_dot() -> bool:
+    """Integer dot-product instructions (VNNI): int8 products at 4x the float32 rate."""
+    f = features()
+    return "avx512vnni" in f or "avxvnni" in f or "amx-int8" in f
+
+
+def summary() -> str:
+    """One line for diagnostics and benchmark records."""
+    f = features()
+    keys = ("avx2", "fma", "avx512f", "avx512vnni", "avxvnni", "avx512bf16", "amx-bf16", "amx-int8")
+    return " ".join(k for k in keys if k in f) or "generic"
+
+
+def default_dtype(device: str = "cpu") -> torch.dtype:
+    """The fastest exact-enough compute dtype: bfloat16 on CUDA and on CPUs with native bf16
+    dot products (AVX512-BF16, AMX), where it halves the bytes and runs the products in
+    hardware; float32 elsewhere (on AVX2 torch emulates bf16 products: slower than float32,
+    measured in docs/performance.md)."""
+    if str(device).startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if has_fast_bf16() else torch.float32

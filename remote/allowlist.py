@@ -1,0 +1,100 @@
+"""The client allow-list: ``allowed_clients.txt``, one Z85 public key per line, optionally
+followed by whitespace and a note; other lines (``# comment``) are ignored.
+
+:class:`AllowList` is what the server asks — at every handshake and for every message — so
+``veil-trunk allow`` / ``revoke`` take effect without a restart. It re-reads the file when its
+``stat`` signature changes *or* at least every ``interval_s``, and compares the content's hash:
+two edits within one timestamp tick (same mtime and size) are still seen. A change that removes
+keys is confirmed by a second read, so a file caught half-written (an editor that truncates and
+rewrites) never revokes everyone for a moment. ``allow``/``revoke`` write atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+CONFIRM_S = 0.05  # pause before the confirming read of a change that removes keys
+
+
+def line_key(line: str) -> str | None:
+    """The key on one allow-list line, or None for comments and blank lines."""
+    parts = line.split()
+    # a z85 key may start with '#', so a comment is any line whose first word is not a key
+    return parts[0] if parts and len(parts[0]) == 40 else None
+
+
+def parse_allow_list(text: str) -> set[str]:
+    return {k for k in (line_key(ln) for ln in text.splitlines()) if k}
+
+
+def read_allow_list(path: Path) -> set[str]:
+    """The keys in an allow-list file (none when it does not exist)."""
+    if not path.is_file():
+        return set()
+    return parse_allow_list(path.read_text())
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (mode 0600) so a reader sees the old or the new file."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class AllowList:
+    """The allow-list file (and keys fixed at start), re-read when its content changes."""
+
+    def __init__(self, path: Path | None, fixed: Iterable[str] = (), interval_s: float = 1.0):
+        self.path = path
+        self.fixed = set(fixed)
+        self.keys: set[str] = set()
+        self.interval_s = interval_s
+        self._sig: tuple[int, int, int] | None = None
+        self._digest: bytes | None = None
+        self._read_at = float("-inf")
+
+    def _read(self) -> bytes:
+        assert self.path is not None
+        try:
+            return self.path.read_bytes()
+        except OSError:
+            return b""  # missing (or unreadable): nobody is allowed
+
+    def refresh(self) -> None:
+        """Re-read the file if its stat signature changed or ``interval_s`` has passed."""
+        if self.path is None:
+            return
+        try:
+            st = self.path.stat()
+            sig: tuple[int, int, int] | None = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            sig = None
+        now = time.monotonic()
+        if sig == self._sig and now - self._read_at < self.interval_s:
+            return
+        self._read_at = now
+        data = self._read()
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        if digest != self._digest:
+            keys = parse_allow_list(data.decode("utf-8", "replace"))
+            if self.keys - keys:  # something was revoked: make sure the file is complete
+                time.sleep(CONFIRM_S)
+                if self._read() != data:
+                    return  # still being written; look again next time
+            self.keys, self._digest = keys, digest
+        self._sig = sig
+
+    def __call__(self, key: str) -> bool:
+        self.refresh()
+        return key in self.fixed or key in self.keys
