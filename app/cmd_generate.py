@@ -45,8 +45,9 @@ def add_common_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="compute dtype: auto (default: bfloat16 on CPUs with native bf16 products and on "
-        "CUDA, else float32), float32 (the reference), bfloat16 or float16",
+        help="compute dtype: auto (default: float32 on a CPU, bfloat16 on CUDA), float32 (the "
+        "reference), bfloat16 or float16 (on a CPU: faster where it has bf16/fp16 units, and "
+        "speculative output is not guaranteed identical to sequential there)",
     )
     p.add_argument(
         "--client-quant",

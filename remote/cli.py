@@ -207,8 +207,9 @@ def build_parser() -> Parser:
     s.add_argument(
         "--dtype",
         default="auto",
-        help="compute dtype: auto (default: bfloat16 on CUDA and on CPUs with native bf16 "
-        "products, else float32), float32, bfloat16 or float16",
+        help="compute dtype: auto (default: bfloat16 on CUDA, float32 on a CPU), float32, "
+        "bfloat16 or float16 (on a CPU a client's speculative output is only guaranteed "
+        "identical to sequential in float32)",
     )
     s.add_argument(
         "--quant",

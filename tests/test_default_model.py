@@ -30,7 +30,13 @@ def _prompts() -> list[str]:
 def test_default_model_greedy_equals_transformers(default_model_folder: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(default_model_folder), dtype=torch.float32)
+    # The cache folder holds config and tokenizer only; the weights stay in the GGUF, which
+    # transformers dequantizes itself (an independent reader of the same file).
+    meta = json.loads((default_model_folder / "veil-converted.json").read_text())
+    gguf = Path(meta["source"])
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     client = load_client(DEFAULT_MODEL, 2)
     runner = SplitRunner(client, load_trunk(client.resolved, 2, 28))
     local = SplitRunner(load_client(DEFAULT_MODEL, 15), None)

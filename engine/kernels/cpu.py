@@ -78,10 +78,12 @@ def summary() -> str:
 
 
 def default_dtype(device: str = "cpu") -> torch.dtype:
-    """The fastest exact-enough compute dtype: bfloat16 on CUDA and on CPUs with native bf16
-    dot products (AVX512-BF16, AMX), where it halves the bytes and runs the products in
-    hardware; float32 elsewhere (on AVX2 torch emulates bf16 products: slower than float32,
-    measured in docs/performance.md)."""
+    """The compute dtype ``auto`` means: bfloat16 on CUDA, float32 on every CPU.
+
+    CPUs with native bf16 products (AVX512-BF16, AMX) were once given bfloat16 too, but on a
+    Zen 4 (AVX512-BF16) the speculative decoder's output then differed from sequential
+    decoding (and bf16 greedy text differs from the float32 model's from the first tokens on
+    the default model), so bfloat16 on a CPU is an explicit choice (``--dtype bfloat16``)."""
     if str(device).startswith("cuda"):
         return torch.bfloat16
-    return torch.bfloat16 if has_fast_bf16() else torch.float32
+    return torch.float32
