@@ -354,16 +354,22 @@ def attend(
     end = start + n
     cache.k[layer, :, start:end] = k
     cache.v[layer, :, start:end] = v
+    # CPU float32: each row walks only the keys it may see, so a row verified in a tree block
+    # gets the bits of the same row decoded alone (torch's SDPA rounds differently with masked
+    # keys present); elsewhere SDPA.
+    att = kernels.attention(q, cache.k[layer], cache.v[layer], end, mask)  # [B, nh hd]
+    if att is not None:
+        return att
     keys = cache.k[layer, :, :end]  # [nkv, T, hd]
     vals = cache.v[layer, :, :end]  # [nkv, T, hd]
-    att = F.scaled_dot_product_attention(
+    sdpa = F.scaled_dot_product_attention(
         q.unsqueeze(0),
         keys.unsqueeze(0),
         vals.unsqueeze(0),
         attn_mask=mask,
         enable_gqa=nh != keys.shape[0],
     )  # [1, nh, B, hd]
-    return att[0].transpose(0, 1).reshape(n, nh * hd)  # [B, nh hd]
+    return sdpa[0].transpose(0, 1).reshape(n, nh * hd)  # [B, nh hd]
 
 
 def out_and_mlp(

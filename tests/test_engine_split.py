@@ -136,6 +136,42 @@ def test_tree_append_and_compaction_equal_recompute(
         assert (after - full).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_tree_nodes_have_the_bits_of_sequential_steps(
+    family: str, tiny_models: dict[str, Path]
+) -> None:
+    """On CPU in float32 every node of a verified tree gets exactly the logits the same token
+    gets when its path is decoded one token at a time (what makes speculative output equal
+    sequential output even on a near tie); mistral's window (8) is crossed on the way."""
+    folder = tiny_models[family]
+    rng = random.Random(11)
+    runner = _runner(folder, 1, 1)
+    ref = _runner(folder, 1, 1)
+    prefix = [rng.randrange(3, 390) for _ in range(9)]
+    for _trial in range(4):
+        runner.reset()
+        runner.forward(prefix, range(len(prefix)))
+        n = rng.randrange(6, 16)
+        parents = _random_tree(rng, n)
+        toks = [rng.randrange(3, 390) for _ in range(n)]
+        depth = [0] * n
+        for i, p in enumerate(parents):
+            depth[i] = 0 if p < 0 else depth[p] + 1
+        tree_logits = runner.forward(toks, [len(prefix) + d for d in depth], parents)
+        leaf = max(range(n), key=lambda i: depth[i])
+        path = []
+        node = leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        path.reverse()
+        ref.reset()
+        ref.forward(prefix, range(len(prefix)))
+        for j, node in enumerate(path):
+            step = ref.forward([toks[node]], [len(prefix) + j])[0]
+            assert torch.equal(tree_logits[node], step), (family, j)
+
+
 def test_kv_cache_grows_and_truncates(tiny_llama: Path) -> None:
     runner = _runner(tiny_llama, 1, 1)
     for stack in (runner.client.head, runner.client.tail, runner.trunk.stack):  # type: ignore[union-attr]

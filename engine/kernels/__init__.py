@@ -228,6 +228,88 @@ def _half_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+# --- attention ------------------------------------------------------------------------------
+
+_att: Callable[..., None] | None = None
+_att_reason = ""
+
+
+def _build_attention() -> Callable[..., None]:
+    os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())
+    from engine.kernels._attention import attend_rows
+
+    kernel: Callable[..., None] = attend_rows
+    # smoke-check against torch before trusting it: 2 rows, 4 query heads over 2 K/V heads
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 2, 8, generator=g)  # [nh, B, hd]
+    kc = torch.randn(2, 9, 8, generator=g)  # [nkv, capacity, hd]
+    vc = torch.randn(2, 9, 8, generator=g)
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0], [1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    out = torch.empty(2, 32)
+    kernel(q.numpy(), kc.numpy(), vc.numpy(), 7, mask.numpy(), True, out.numpy())
+    ref = (
+        F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            kc[:, :7].unsqueeze(0),
+            vc[:, :7].unsqueeze(0),
+            attn_mask=mask,
+            enable_gqa=True,
+        )[0]
+        .transpose(0, 1)
+        .reshape(2, 32)
+    )
+    if not torch.allclose(out, ref, atol=1e-5, rtol=1e-4):
+        raise RuntimeError("the compiled attention disagrees with torch")
+    return kernel
+
+
+def attention(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, end: int, mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Row-invariant attention of ``q`` [nh, B, hd] over slots [0, end) of one layer's cache
+    buffers ``kc``/``vc`` [nkv, capacity, hd] under ``mask`` [B, end] (None: every slot) ->
+    [B, nh hd]; None where it does not apply (not CPU float32, no numba, autograd), and the
+    caller uses SDPA (:mod:`engine.kernels._attention` says why it exists)."""
+    global _att, _att_reason
+    if (
+        not _enabled
+        or q.dtype != torch.float32
+        or kc.dtype != torch.float32
+        or q.device.type != "cpu"
+        or kc.device.type != "cpu"
+        or (torch.is_grad_enabled() and q.requires_grad)
+        or not (kc.is_contiguous() and vc.is_contiguous())
+        or (mask is not None and tuple(mask.shape) != (q.shape[1], end))
+    ):
+        return None
+    if _att is None:
+        if _att_reason:
+            return None
+        with _lock:
+            if _att is None and not _att_reason:
+                threads = torch.get_num_threads()
+                try:
+                    _att = _build_attention()
+                except Exception as exc:  # numba missing, no LLVM target, ...
+                    _att_reason = f"{type(exc).__name__}: {exc}"
+                    log.info("row-invariant attention unavailable, using SDPA: %s", _att_reason)
+                finally:
+                    _restore_threads(threads)
+        if _att is None:
+            return None
+    nh, n, hd = q.shape
+    qc = q.contiguous()
+    out = torch.empty(n, nh * hd, dtype=torch.float32)  # [B, nh hd]
+    m = mask.contiguous() if mask is not None else torch.ones(1, 1, dtype=torch.bool)
+    kern = _att
+    _run(
+        lambda: kern(
+            qc.numpy(), kc.numpy(), vc.numpy(), end, m.numpy(), mask is not None, out.numpy()
+        )
+    )
+    return out
+
+
 # --- quantized weights ---------------------------------------------------------------------
 
 _qlock = threading.Lock()

@@ -1,0 +1,66 @@
+"""Row-invariant float32 attention over one session's KV cache (numba; imported lazily).
+
+torch's CPU ``scaled_dot_product_attention`` rounds differently when masked keys are present:
+one query over 60 keys and the same query over those keys plus 12 masked ones give different
+bits. A tree block's rows see the cache with their non-ancestors masked, a sequential step sees
+the same keys with nothing masked, so verification and sequential decoding could disagree on a
+near tie. Here each (row, head) walks only the keys its mask allows, in slot order, with scalar
+sums over the keys and the same fixed-length dot products: a row's result depends only on the
+sequence of keys it sees, not on the block around it or on how many keys are masked.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+CACHE = True  # numba caches a frozen app's functions too (in the user cache)
+
+
+@njit(  # type: ignore[untyped-decorator]
+    "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], int64, boolean[:, ::1], "
+    "boolean, float32[:, ::1])",
+    fastmath=True,
+    boundscheck=False,
+    parallel=True,
+    nogil=True,
+    cache=CACHE,
+)
+def attend_rows(q: Any, kc: Any, vc: Any, end: int, mask: Any, masked: bool, out: Any) -> None:
+    """out[b, h*hd:(h+1)*hd] = softmax(q[h, b] . K / sqrt(hd)) V over slots [0, end) of the
+    cache that ``mask[b]`` allows (all of them when not ``masked``).
+
+    q [nh, B, hd]; kc, vc [nkv, capacity, hd] (one layer's buffers); out [B, nh hd]. Query
+    heads share K/V in groups of nh / nkv, as in grouped-query attention."""
+    nh, n, hd = q.shape
+    group = nh // kc.shape[0]
+    scale = np.float32(1.0 / math.sqrt(hd))
+    for job in prange(n * nh):
+        b = job // nh
+        h = job - b * nh
+        g = h // group
+        scores = np.empty(end, dtype=np.float32)
+        acc = np.zeros(hd, dtype=np.float32)
+        top = np.float32(-np.inf)
+        for t in range(end):
+            if masked and not mask[b, t]:
+                continue
+            s = np.float32(0.0)
+            for i in range(hd):  # the only vectorized sum: fixed length, same for every row
+                s += q[h, b, i] * kc[g, t, i]
+            s *= scale
+            scores[t] = s
+            top = max(top, s)
+        den = np.float32(0.0)
+        for t in range(end):  # not innermost: summed in slot order over the visible keys
+            if masked and not mask[b, t]:
+                continue
+            p = np.float32(math.exp(scores[t] - top))
+            den += p
+            for i in range(hd):
+                acc[i] += p * vc[g, t, i]
+        for i in range(hd):
+            out[b, h * hd + i] = acc[i] / den
