@@ -98,6 +98,22 @@ def _random_tree(rng: random.Random, n: int) -> list[int]:
     return [-1] + [rng.randrange(-1, i) for i in range(1, n)]
 
 
+def _depths(parents: list[int]) -> list[int]:
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    return depth
+
+
+def _path_to(parents: list[int], node: int) -> list[int]:
+    """Block indices from the root down to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_tree_append_and_compaction_equal_recompute(
     family: str, tiny_models: dict[str, Path]
@@ -112,19 +128,10 @@ def test_tree_append_and_compaction_equal_recompute(
         n = rng.randrange(2, 12)
         parents = _random_tree(rng, n)
         toks = [rng.randrange(3, 390) for _ in range(n)]
-        depth = [0] * n
-        for i, p in enumerate(parents):
-            depth[i] = 0 if p < 0 else depth[p] + 1
-        pos = [len(prefix) + d for d in depth]
+        pos = [len(prefix) + d for d in _depths(parents)]
         tree_logits = runner.forward(toks, pos, parents)
         # Each node's logits equal a chain run of its root-to-node path.
-        leaf = rng.randrange(n)
-        path = []
-        node = leaf
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        path.reverse()
+        path = _path_to(parents, rng.randrange(n))
         ref = _runner(folder, 1, 1)
         chain = ref.forward(prefix + [toks[i] for i in path], range(len(prefix) + len(path)))
         for j, node in enumerate(path):
@@ -154,17 +161,9 @@ def test_tree_nodes_have_the_bits_of_sequential_steps(
         n = rng.randrange(6, 16)
         parents = _random_tree(rng, n)
         toks = [rng.randrange(3, 390) for _ in range(n)]
-        depth = [0] * n
-        for i, p in enumerate(parents):
-            depth[i] = 0 if p < 0 else depth[p] + 1
+        depth = _depths(parents)
         tree_logits = runner.forward(toks, [len(prefix) + d for d in depth], parents)
-        leaf = max(range(n), key=lambda i: depth[i])
-        path = []
-        node = leaf
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        path.reverse()
+        path = _path_to(parents, max(range(n), key=lambda i: depth[i]))
         ref.reset()
         ref.forward(prefix, range(len(prefix)))
         for j, node in enumerate(path):
