@@ -27,7 +27,15 @@ from PySide6.QtWidgets import (
 from app.core.engine_host import CONNECTED, OFFLINE, DemoServerSource
 from app.core.settings import MODE_DEMO
 from tests.gui_support import GOOD_INVITE, demo_window, local_window
-from tests.test_gui_app import FAST, WAIT_MS, send, server, tiny, wait_idle  # noqa: F401
+from tests.test_gui_app import (  # noqa: F401
+    FAST,
+    WAIT_MS,
+    reconnects_held,
+    send,
+    server,
+    tiny,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.gui
 
@@ -141,20 +149,20 @@ def test_run_audit_asks_first_can_cancel_and_says_when_done(
 
 def test_banners_clear_when_the_server_is_back(qtbot: Any, tiny: Path, server: Any, tmp_path: Path):  # noqa: F811
     w = demo_window(qtbot, tiny, server, tmp_path)
-    w._reconnect.setInterval(200)
     send(qtbot, w, "first message")
     wait_idle(qtbot, w)
-    server.kill()
-    try:
-        send(qtbot, w, "keep this")
-        qtbot.waitUntil(lambda: w.chat_view.error.isVisible(), timeout=WAIT_MS)
-        text = w.chat_view.error.text()
-        assert "built-in server on this computer stopped" in text
-        assert "restarting it" in text and "tcp://" not in text and "network" not in text
-        assert w.chat_view.error.cause == "connection"
-        assert w.app.host.state == OFFLINE
-    finally:
-        server.restart()
+    with reconnects_held(w):
+        server.kill()
+        try:
+            send(qtbot, w, "keep this")
+            qtbot.waitUntil(lambda: w.chat_view.error.isVisible(), timeout=WAIT_MS)
+            text = w.chat_view.error.text()
+            assert "built-in server on this computer stopped" in text
+            assert "restarting it" in text and "tcp://" not in text and "network" not in text
+            assert w.chat_view.error.cause == "connection"
+            assert w.app.host.state == OFFLINE
+        finally:
+            server.restart()
     # nothing pressed: the window reconnects by itself and the banner goes away
     qtbot.waitUntil(lambda: w.app.host.state == CONNECTED, timeout=WAIT_MS)
     qtbot.waitUntil(lambda: not w.chat_view.error.isVisible(), timeout=WAIT_MS)
