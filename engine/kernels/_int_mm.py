@@ -59,70 +59,100 @@ def _i64(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return b.sext(v, I64) if v.type.width < 64 else v
 
 
-def _idot4(
-    typingctx: Any, fmt: Any, w: Any, n: Any, scale: Any, xq: Any, xd: Any, xs: Any, m: Any
+def _itile(
+    typingctx: Any,
+    fmt: Any,
+    nx: Any,
+    w: Any,
+    n: Any,
+    scale: Any,
+    xq: Any,
+    xd: Any,
+    xs: Any,
+    m: Any,
+    y: Any,
 ) -> Any:
-    """Weight rows ``n .. n + 3`` (clamped to the last) against activation row ``m``: the 4
-    dot products over the whole row, block by block in integers."""
-    if not isinstance(fmt, types.IntegerLiteral):
-        raise errors.RequireLiteralValue(fmt)
+    """Weight rows ``n .. n + 3`` against activation rows ``m .. m + nx - 1``: their
+    ``4 * nx`` dot products over the whole row, block by block in integers, stored into ``y``
+    (weight rows past the last are computed on the last and not stored). Each weight block is
+    decoded once for all ``nx`` rows; every (weight row, activation row) pair keeps its own
+    accumulators and the same operations whatever ``nx`` is, so a row's result does not depend
+    on the rows beside it."""
+    for lit in (fmt, nx):
+        if not isinstance(lit, types.IntegerLiteral):
+            raise errors.RequireLiteralValue(lit)
     _, per, nbytes, _ = FORMATS[fmt.literal_value]
     emit = INT_FORMATS[fmt.literal_value]
-    ret = types.UniTuple(types.float32, 4)
-    sig = ret(fmt, w, n, scale, xq, xd, xs, m)
+    rows_x = nx.literal_value
+    sig = types.none(fmt, nx, w, n, scale, xq, xd, xs, m, y)
 
     def codegen(context: Any, b: ir.IRBuilder, signature: Any, args: Any) -> Any:
-        wa = _array(context, b, signature.args[1], args[1])
-        sa = _array(context, b, signature.args[3], args[3])
-        qa, da, ssa = (_array(context, b, signature.args[i], args[i]) for i in (4, 5, 6))
-        n_, m_ = _i64(b, args[2]), _i64(b, args[7])
+        wa = _array(context, b, signature.args[2], args[2])
+        sa = _array(context, b, signature.args[4], args[4])
+        qa, da, ssa = (_array(context, b, signature.args[i], args[i]) for i in (5, 6, 7))
+        ya = _array(context, b, signature.args[9], args[9])
+        n_, m_ = _i64(b, args[3]), _i64(b, args[8])
         nb = b.udiv(_i64(b, b.extract_value(qa.shape, 1)), ir.Constant(I64, per))
         last = b.sub(_i64(b, b.extract_value(wa.shape, 0)), ir.Constant(I64, 1))
         wstride = b.extract_value(wa.strides, 0)
-        rows, scales, accs = [], [], []
+        rows, scales, valid = [], [], []
         for r in range(TILE):
             nr = b.add(n_, ir.Constant(I64, r))
-            nr = b.select(b.icmp_signed(">", nr, last), last, nr)
+            valid.append(b.icmp_signed("<=", nr, last))
+            nr = b.select(valid[-1], nr, last)
             rows.append(byte_ptr(b, wa.data, b.mul(nr, wstride)))
             scales.append(b.load(b.gep(sa.data, [nr])))
-            accs.append(Acc(b))
-        qrow = byte_ptr(b, qa.data, b.mul(m_, b.extract_value(qa.strides, 0)))
-        drow = byte_ptr(b, da.data, b.mul(m_, b.extract_value(da.strides, 0)))
-        srow = byte_ptr(b, ssa.data, b.mul(m_, b.extract_value(ssa.strides, 0)))
+        accs = [[Acc(b) for _ in range(rows_x)] for _ in range(TILE)]
+        xrows = []
+        for i in range(rows_x):
+            mi = b.add(m_, ir.Constant(I64, i))
+
+            def row(arr: Any, mi: ir.Value = mi) -> ir.Value:
+                return byte_ptr(b, arr.data, b.mul(mi, b.extract_value(arr.strides, 0)))
+
+            xrows.append((row(qa), row(da), row(ssa)))
         with cgutils.for_range(b, nb) as loop:
             first = b.mul(loop.index, ir.Constant(I64, per))  # element index
-            acts = Acts(
-                b,
-                b.gep(qrow, [first]),
-                b.gep(b.bitcast(drow, ir.PointerType(F32)), [b.udiv(first, ir.Constant(I64, 32))]),
-                b.gep(b.bitcast(srow, ir.PointerType(F32)), [b.udiv(first, ir.Constant(I64, 16))]),
-            )
+            d_at = b.udiv(first, ir.Constant(I64, 32))
+            s_at = b.udiv(first, ir.Constant(I64, 16))
+            acts = [
+                Acts(
+                    b,
+                    b.gep(q, [first]),
+                    b.gep(b.bitcast(d, ir.PointerType(F32)), [d_at]),
+                    b.gep(b.bitcast(s, ir.PointerType(F32)), [s_at]),
+                )
+                for q, d, s in xrows
+            ]
             for r in range(TILE):
                 p = b.gep(rows[r], [b.mul(loop.index, ir.Constant(I64, nbytes))])
                 emit(b, p, acts, accs[r], scales[r])
-        sums = [b.fadd(reduce_lanes(b, b.load(a.v)), b.load(a.s)) for a in accs]
-        return context.make_tuple(b, ret, sums)
+        ys0, ys1 = (b.extract_value(ya.strides, i) for i in range(2))
+        for r in range(TILE):
+            with cgutils.if_likely(b, valid[r]):
+                col = b.mul(b.add(n_, ir.Constant(I64, r)), ys1)
+                for i, a in enumerate(accs[r]):
+                    total = b.fadd(reduce_lanes(b, b.load(a.v)), b.load(a.s))
+                    at = b.add(b.mul(b.add(m_, ir.Constant(I64, i)), ys0), col)
+                    b.store(total, b.bitcast(byte_ptr(b, ya.data, at), ir.PointerType(F32)))
+        return context.get_dummy_value()
 
     return sig, codegen
 
 
-idot4: Any = intrinsic(prefer_literal=True)(_idot4)
+itile: Any = intrinsic(prefer_literal=True)(_itile)
+ROWS_X = 4  # activation rows per weight decode
 
 
 @njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
 def _tiles(fmt: int, xq: Any, xd: Any, xs: Any, w: Any, scale: Any, y: Any, a: int, z: int) -> None:
-    n_rows = w.shape[0]
+    full = xq.shape[0] - xq.shape[0] % ROWS_X
     for tile in range(a, z):
         n0 = tile * TILE
-        for m in range(xq.shape[0]):
-            s0, s1, s2, s3 = idot4(fmt, w, n0, scale, xq, xd, xs, m)
-            y[m, n0] = s0
-            if n0 + 1 < n_rows:
-                y[m, n0 + 1] = s1
-            if n0 + 2 < n_rows:
-                y[m, n0 + 2] = s2
-            if n0 + 3 < n_rows:
-                y[m, n0 + 3] = s3
+        for m in range(0, full, ROWS_X):
+            itile(fmt, 4, w, n0, scale, xq, xd, xs, m, y)
+        for m in range(full, xq.shape[0]):
+            itile(fmt, 1, w, n0, scale, xq, xd, xs, m, y)
 
 
 @njit(parallel=True, **_OPTS)  # type: ignore[untyped-decorator]

@@ -4,11 +4,12 @@ The activations of a row are quantized per block of 32 (int8 values, a float32 s
 dequantized sum of every 16 values, for the formats' offsets and minimums), the way llama.cpp
 multiplies its blocks. A block's 32 products are then 2 instructions on AVX2 (``vpmaddubsw``:
 unsigned weight bytes times signed activation bytes, pairs summed to 16 bits; ``vpmaddwd``:
-pairs summed to 32 bits), about a quarter of the work of widening every weight to float. Where
-the host has no AVX2 the same sums are written in portable IR (exact integers either way, so
-both give the same bits).
+pairs summed to 32 bits), about a quarter of the work of widening every weight to float; one
+(``vpdpbusd``) where the host has AVX512-VNNI or AVX-VNNI. Where the host has no AVX2 the same
+sums are written in portable IR (exact integers every way, so all give the same bits).
 
-Each emitter adds one block's contribution to a row's accumulators: ``acc_v`` (8 floats, the
+Each emitter decodes a weight block once and adds its contribution to several activation rows'
+accumulators (one ``Acc`` per row): ``acc_v`` (8 floats, the
 block's integer partial sums times the product of the weight and activation scales) and
 ``acc_s`` (a float, the offset/minimum terms). Integer sums are exact and every float operation
 has a fixed order, so the result of a row depends only on that row (batch invariance).
@@ -16,8 +17,8 @@ has a fixed order, so the result of a row depends only on that row (batch invari
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import cache
+from collections.abc import Callable, Iterator, Sequence
+from functools import cache, partial
 
 from llvmlite import ir
 from numba.core import cgutils
@@ -48,6 +49,13 @@ def _avx2() -> bool:
     return "avx2" in cpu.features()
 
 
+@cache
+def _vnni() -> bool:
+    """256-bit integer dot products (AVX512-VNNI with VL, or AVX-VNNI)."""
+    f = cpu.features()
+    return ("avx512vnni" in f and "avx512vl" in f) or "avxvnni" in f
+
+
 def _x86(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
     fn = cgutils.get_or_insert_function(
         b.module, ir.FunctionType(ret, [a.type for a in args]), name
@@ -75,6 +83,16 @@ def dot_u8s8(
     """<8 x i32>: lane j = sum of u[i] * s[i] for i in 4j .. 4j + 3 (u unsigned < 128, s
     signed bytes), each pair of 16-bit sums first multiplied by ``scales16`` [16 x i16] if
     given (Q6_K's per-16 scales)."""
+    if _vnni():  # one instruction: 4 products summed per 32-bit lane
+        zero = ir.Constant(vec(I32, 8), [0] * 8)
+        args = [zero, b.bitcast(u, vec(I32, 8)), b.bitcast(s, vec(I32, 8))]
+        sums = _x86(b, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), args)
+        if scales16 is None:
+            return sums
+        per_lane = b.shuffle_vector(
+            scales16, scales16, ir.Constant(vec(I32, 8), list(range(0, 16, 2)))
+        )
+        return b.mul(sums, b.sext(per_lane, vec(I32, 8)))
     if _avx2():
         p16 = _x86(b, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [u, s])
         w = scales16 if scales16 is not None else const_vec(I16, 16, 1)
@@ -145,26 +163,50 @@ def _u32(b: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
     return b.shuffle_vector(lo, hi, ir.Constant(vec(I32, 32), list(range(32))))
 
 
-def int_q8_0(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+def _each(
+    xs: Sequence[Acts], accs: Sequence[Acc], first: int, dot: Callable[[ir.Value], ir.Value]
+) -> Iterator[tuple[Acts, Acc, ir.Value]]:
+    """For every activation row: its Acts, its Acc and the integer dot of the decoded block
+    with its values ``first .. first + 32`` (the block is decoded once for all rows)."""
+    for x, acc in zip(xs, accs, strict=True):
+        yield x, acc, dot(x.values(first))
+
+
+def int_q8_0(
+    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
+) -> None:
     w = load_vec(b, byte_ptr(b, p, 2), I8, 32)
-    acc.add_int(dot_s8s8(b, w, x.values(0)), b.fmul(load_half(b, p), x.scale(0)))
+    d = load_half(b, p)
+    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_s8s8(b, w, v)):
+        acc.add_int(isum, b.fmul(d, x.scale(0)))
 
 
-def int_int8(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
-    acc.add_int(dot_s8s8(b, load_vec(b, p, I8, 32), x.values(0)), b.fmul(scale, x.scale(0)))
+def int_int8(
+    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
+) -> None:
+    w = load_vec(b, p, I8, 32)
+    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_s8s8(b, w, v)):
+        acc.add_int(isum, b.fmul(scale, x.scale(0)))
 
 
-def int_q4_0(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+def int_q4_0(
+    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
+) -> None:
     d = load_half(b, p)
     u = _u32(b, *_nibbles(b, byte_ptr(b, p, 2), 16))
-    acc.add_int(dot_u8s8(b, u, x.values(0)), b.fmul(d, x.scale(0)))
-    acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -8.0)), x.sum32(0)))
+    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_u8s8(b, u, v)):
+        acc.add_int(isum, b.fmul(d, x.scale(0)))
+        acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -8.0)), x.sum32(0)))
 
 
-def int_q4_1(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+def int_q4_1(
+    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
+) -> None:
     u = _u32(b, *_nibbles(b, byte_ptr(b, p, 4), 16))
-    acc.add_int(dot_u8s8(b, u, x.values(0)), b.fmul(load_half(b, p), x.scale(0)))
-    acc.add(b.fmul(load_half(b, byte_ptr(b, p, 2)), x.sum32(0)))
+    d, mn = load_half(b, p), load_half(b, byte_ptr(b, p, 2))
+    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_u8s8(b, u, v)):
+        acc.add_int(isum, b.fmul(d, x.scale(0)))
+        acc.add(b.fmul(mn, x.sum32(0)))
 
 
 def _q5_u(b: ir.IRBuilder, qs: ir.Value, qh_ptr: ir.Value) -> ir.Value:
@@ -173,20 +215,29 @@ def _q5_u(b: ir.IRBuilder, qs: ir.Value, qh_ptr: ir.Value) -> ir.Value:
     return _u32(b, b.or_(lo, _high_bits(b, qh, 0, 16)), b.or_(hi, _high_bits(b, qh, 16, 16)))
 
 
-def int_q5_0(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+def int_q5_0(
+    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
+) -> None:
     d = load_half(b, p)
     u = _q5_u(b, byte_ptr(b, p, 6), byte_ptr(b, p, 2))
-    acc.add_int(dot_u8s8(b, u, x.values(0)), b.fmul(d, x.scale(0)))
-    acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -16.0)), x.sum32(0)))
+    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_u8s8(b, u, v)):
+        acc.add_int(isum, b.fmul(d, x.scale(0)))
+        acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -16.0)), x.sum32(0)))
 
 
-def int_q5_1(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+def int_q5_1(
+    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
+) -> None:
     u = _q5_u(b, byte_ptr(b, p, 8), byte_ptr(b, p, 4))
-    acc.add_int(dot_u8s8(b, u, x.values(0)), b.fmul(load_half(b, p), x.scale(0)))
-    acc.add(b.fmul(load_half(b, byte_ptr(b, p, 2)), x.sum32(0)))
+    d, mn = load_half(b, p), load_half(b, byte_ptr(b, p, 2))
+    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_u8s8(b, u, v)):
+        acc.add_int(isum, b.fmul(d, x.scale(0)))
+        acc.add(b.fmul(mn, x.sum32(0)))
 
 
-def _int_k(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, five: bool) -> None:
+def _int_k(
+    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], five: bool
+) -> None:
     d = load_half(b, p)
     dmin = load_half(b, byte_ptr(b, p, 2))
     s = byte_ptr(b, p, 4)
@@ -201,23 +252,31 @@ def _int_k(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, five: bool) -> None:
                 u = b.or_(u, b.shl(top, const_vec(I8, 32, 4)))
             sc, mn = _k4_scale_min(b, s, j)
             dsc = b.fmul(d, b.uitofp(sc, F32))
-            acc.add_int(dot_u8s8(b, u, x.values(32 * j)), b.fmul(dsc, x.scale(32 * j)))
-            acc.add(b.fmul(b.fneg(b.fmul(dmin, b.uitofp(mn, F32))), x.sum32(32 * j)))
+            dmn = b.fneg(b.fmul(dmin, b.uitofp(mn, F32)))
+            for x, acc, isum in _each(xs, accs, 32 * j, partial(dot_u8s8, b, u)):
+                acc.add_int(isum, b.fmul(dsc, x.scale(32 * j)))
+                acc.add(b.fmul(dmn, x.sum32(32 * j)))
 
 
-def int_q4_k(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
-    _int_k(b, p, x, acc, five=False)
+def int_q4_k(
+    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
+) -> None:
+    _int_k(b, p, xs, accs, five=False)
 
 
-def int_q5_k(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
-    _int_k(b, p, x, acc, five=True)
+def int_q5_k(
+    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
+) -> None:
+    _int_k(b, p, xs, accs, five=True)
 
 
-def int_q6_k(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -> None:
+def int_q6_k(
+    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
+) -> None:
     d = load_half(b, byte_ptr(b, p, 208))
     sc = byte_ptr(b, p, 192)
     three, fifteen = const_vec(I8, 32, 3), const_vec(I8, 32, 15)
-    offset = ir.Constant(F32, 0.0)
+    offsets = [ir.Constant(F32, 0.0) for _ in xs]
     for h in range(2):
         ql0 = load_vec(b, byte_ptr(b, p, 64 * h), I8, 32)
         ql1 = load_vec(b, byte_ptr(b, p, 64 * h + 32), I8, 32)
@@ -234,17 +293,18 @@ def int_q6_k(b: ir.IRBuilder, p: ir.Value, x: Acts, acc: Acc, scale: ir.Value) -
                 splat(b, b.sext(sb, I16), 8),
                 ir.Constant(vec(I32, 16), list(range(16))),
             )
-            acc.add_int(dot_u8s8(b, u, x.values(first), s16), b.fmul(d, x.scale(first)))
-            # the -32 of every value: -32 * d * (sa * sum16 + sb * sum16)
-            part = b.fadd(
-                b.fmul(b.sitofp(sa, F32), x.sum16(first)),
-                b.fmul(b.sitofp(sb, F32), x.sum16(first + 16)),
-            )
-            offset = b.fadd(offset, part)
-    acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -32.0)), offset))
+            fa, fb = b.sitofp(sa, F32), b.sitofp(sb, F32)
+            rows = _each(xs, accs, first, partial(dot_u8s8, b, u, scales16=s16))
+            for i, (x, acc, isum) in enumerate(rows):
+                acc.add_int(isum, b.fmul(d, x.scale(first)))
+                # the -32 of every value: -32 * d * (sa * sum16 + sb * sum16)
+                part = b.fadd(b.fmul(fa, x.sum16(first)), b.fmul(fb, x.sum16(first + 16)))
+                offsets[i] = b.fadd(offsets[i], part)
+    for off, acc in zip(offsets, accs, strict=True):
+        acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -32.0)), off))
 
 
-IntEmitter = Callable[[ir.IRBuilder, ir.Value, Acts, Acc, ir.Value], None]
+IntEmitter = Callable[[ir.IRBuilder, ir.Value, Sequence[Acts], Sequence[Acc], ir.Value], None]
 
 # by format code (engine.kernels._ir.CODES)
 INT_FORMATS: tuple[IntEmitter, ...] = (
