@@ -57,6 +57,13 @@ def add_common_model_args(p: argparse.ArgumentParser) -> None:
         "quantized; float checkpoints stay float), none (float: the reference path), int8 "
         "(per channel) or int4 (groups of 32), quantized once and cached",
     )
+    p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="quantized client products with the activations rounded to int8 per block, as "
+        "llama.cpp does: ~2x faster on the CPU, slightly different numbers (speculative output "
+        "still equals sequential output)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument(
         "--private-weights",

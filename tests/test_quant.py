@@ -212,17 +212,20 @@ def int8_acts() -> object:
 def test_int8_activation_products(quant_on: None, int8_acts: object, fmt: str) -> None:
     """With int8 activations, the product is exactly (activations rounded per block of 32) x
     (dequantized weights), to float rounding, and a row's bits do not depend on its block."""
-    from engine.kernels._int_mm import quantize_acts
+    from engine.kernels._int_mm import quantize_acts, quantize_acts_k
 
     k = 512
     w = rand_quant(fmt, 37, k, seed=11)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(11))
     y = kernels.linear(x, w)
+    block = 256 if fmt.endswith("_k") else 32  # K-quants: activations per 256 (Q8_K)
     xq = np.empty((9, k), np.int8)
-    xd = np.empty((9, k // 32), np.float32)
-    xs = np.empty((9, k // 16), np.float32)
-    quantize_acts(x.numpy(), xq, xd, xs)
-    xr = (xq.astype(np.float64).reshape(9, -1, 32) * xd[..., None]).reshape(9, k)
+    xd = np.empty((9, k // block), np.float32)
+    xs = np.empty((9, k // 16), np.int32 if block == 256 else np.float32)
+    (quantize_acts_k if block == 256 else quantize_acts)(x.numpy(), xq, xd, xs)
+    if block == 256:  # the integer sums of every 16 values
+        assert np.array_equal(xq.astype(np.int32).reshape(9, -1, 16).sum(-1), xs)
+    xr = (xq.astype(np.float64).reshape(9, -1, block) * xd[..., None]).reshape(9, k)
     ref = xr @ reference(w).astype(np.float64).T
     assert np.allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     exact = x.double().numpy() @ reference(w).astype(np.float64).T

@@ -1,11 +1,13 @@
 """Quantized matrix products with int8 activations (numba drivers around
 :mod:`engine.kernels._ir_int`; imported lazily, cached by numba).
 
-``y = x @ dequant(w).T`` with ``x`` quantized per row in blocks of 32 first
-(:func:`quantize_acts`), then every block product done in integers: ~3x less work per weight
-than decoding weights to float (:mod:`engine.kernels._quant_mm`), at the price of rounding the
-activations to 8 bits per block (llama.cpp's rule; the quality cost is measured in
-docs/performance.md). Batch-invariant: a row's quantization and sums involve that row only.
+``y = x @ dequant(w).T`` with ``x`` quantized per row first (blocks of 32,
+:func:`quantize_acts`; blocks of 256 for the K-quants, :func:`quantize_acts_k`), then every
+block product done in integers: ~3x less work per weight than decoding weights to float
+(:mod:`engine.kernels._quant_mm`), at the price of rounding the activations to 8 bits per block
+(llama.cpp's rule; the quality cost is measured in docs/performance.md). Each weight block is
+decoded once for up to 8 activation rows. Batch-invariant: a row's quantization and sums
+involve that row only, and every row pair gets the same operations in any group.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from numba import literally, njit, prange, types
 from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
-from engine.kernels._ir import F32, FORMATS, I64, byte_ptr, reduce_lanes
-from engine.kernels._ir_int import INT_FORMATS, Acc, Acts
+from engine.kernels._ir import F32, FORMATS, I32, I64, byte_ptr, reduce_lanes
+from engine.kernels._ir_int import INT_FORMATS, K_CODES, Acc, Acts
 
 # numba caches a frozen app's functions too (in the user cache, keyed by the executable)
 CACHE = True
-TILE = 4
+TILE = 1  # weight rows per call (measured best on Zen 4: 1 x 8 rows beat 4 x 4 and 2 x 8)
 _OPTS: dict[str, Any] = {"boundscheck": False, "nogil": True, "cache": CACHE}
 
 
@@ -49,6 +51,29 @@ def quantize_acts(x: Any, q: Any, d: Any, s: Any) -> None:
                     q[m, o + 16 * h + i] = v
                     tot += v
                 s[m, 2 * blk + h] = dd * np.float32(tot)
+
+
+@njit(**_OPTS)  # type: ignore[untyped-decorator]
+def quantize_acts_k(x: Any, q: Any, d: Any, s: Any) -> None:
+    """As :func:`quantize_acts` in blocks of 256 (llama.cpp's Q8_K, for the K-quants):
+    x [M, K] float32 -> q int8 [M, K], d [M, K/256] (max|x|/127 of each block), s int32
+    [M, K/16] (the integer sum of each 16 quantized values)."""
+    for m in range(x.shape[0]):
+        for blk in range(x.shape[1] // 256):
+            o = blk * 256
+            amax = np.float32(0.0)
+            for i in range(256):
+                amax = max(amax, abs(x[m, o + i]))
+            d[m, blk] = amax / np.float32(127.0)
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for g in range(16):
+                tot = 0
+                for i in range(16):
+                    v = math.floor(x[m, o + 16 * g + i] * inv + np.float32(0.5))
+                    v = min(127, max(-127, v))
+                    q[m, o + 16 * g + i] = v
+                    tot += v
+                s[m, 16 * blk + g] = tot
 
 
 def _array(context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value) -> Any:
@@ -111,16 +136,18 @@ def _itile(
                 return byte_ptr(b, arr.data, b.mul(mi, b.extract_value(arr.strides, 0)))
 
             xrows.append((row(qa), row(da), row(ssa)))
+        k_acts = fmt.literal_value in K_CODES
+        s_type = ir.PointerType(I32 if k_acts else F32)
         with cgutils.for_range(b, nb) as loop:
             first = b.mul(loop.index, ir.Constant(I64, per))  # element index
-            d_at = b.udiv(first, ir.Constant(I64, 32))
+            d_at = b.udiv(first, ir.Constant(I64, 256 if k_acts else 32))
             s_at = b.udiv(first, ir.Constant(I64, 16))
             acts = [
                 Acts(
                     b,
                     b.gep(q, [first]),
                     b.gep(b.bitcast(d, ir.PointerType(F32)), [d_at]),
-                    b.gep(b.bitcast(s, ir.PointerType(F32)), [s_at]),
+                    b.gep(b.bitcast(s, s_type), [s_at]),
                 )
                 for q, d, s in xrows
             ]
@@ -141,17 +168,20 @@ def _itile(
 
 
 itile: Any = intrinsic(prefer_literal=True)(_itile)
-ROWS_X = 4  # activation rows per weight decode
 
 
 @njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
 def _tiles(fmt: int, xq: Any, xd: Any, xs: Any, w: Any, scale: Any, y: Any, a: int, z: int) -> None:
-    full = xq.shape[0] - xq.shape[0] % ROWS_X
+    rows = xq.shape[0]
+    eights = rows - rows % 8
+    fours = rows - rows % 4
     for tile in range(a, z):
         n0 = tile * TILE
-        for m in range(0, full, ROWS_X):
-            itile(fmt, 4, w, n0, scale, xq, xd, xs, m, y)
-        for m in range(full, xq.shape[0]):
+        for m in range(0, eights, 8):
+            itile(fmt, 8, w, n0, scale, xq, xd, xs, m, y)
+        if fours > eights:
+            itile(fmt, 4, w, n0, scale, xq, xd, xs, eights, y)
+        for m in range(fours, rows):
             itile(fmt, 1, w, n0, scale, xq, xd, xs, m, y)
 
 
@@ -172,16 +202,31 @@ def imatmul_serial(fmt: int, xq: Any, xd: Any, xs: Any, w: Any, scale: Any, y: A
 
 
 @njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
+def _product(fmt: int, xq: Any, xd: Any, xs: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
+    if threads > 1:
+        imatmul(fmt, xq, xd, xs, w, scale, y, threads)
+    else:
+        imatmul_serial(fmt, xq, xd, xs, w, scale, y)
+
+
+@njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
 def _run(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
     m, k = x.shape
     xq = np.empty((m, k), dtype=np.int8)
     xd = np.empty((m, k // 32), dtype=np.float32)
     xs = np.empty((m, k // 16), dtype=np.float32)
     quantize_acts(x, xq, xd, xs)
-    if threads > 1:
-        imatmul(fmt, xq, xd, xs, w, scale, y, threads)
-    else:
-        imatmul_serial(fmt, xq, xd, xs, w, scale, y)
+    _product(fmt, xq, xd, xs, w, scale, y, threads)
+
+
+@njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
+def _run_k(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
+    m, k = x.shape
+    xq = np.empty((m, k), dtype=np.int8)
+    xd = np.empty((m, k // 256), dtype=np.float32)
+    xs = np.empty((m, k // 16), dtype=np.int32)
+    quantize_acts_k(x, xq, xd, xs)
+    _product(fmt, xq, xd, xs, w, scale, y, threads)
 
 
 # Entry points by format (the code is a constant inside compiled code; see _quant_mm).
@@ -202,12 +247,12 @@ def im_q4_1(x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
 
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
 def im_q4_k(x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
-    _run(3, x, w, scale, y, threads)
+    _run_k(3, x, w, scale, y, threads)
 
 
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
 def im_q6_k(x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
-    _run(4, x, w, scale, y, threads)
+    _run_k(4, x, w, scale, y, threads)
 
 
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
@@ -227,7 +272,7 @@ def im_q5_1(x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
 
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
 def im_q5_k(x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
-    _run(8, x, w, scale, y, threads)
+    _run_k(8, x, w, scale, y, threads)
 
 
 IMATMUL = {"q8_0": im_q8_0, "q4_0": im_q4_0, "q4_1": im_q4_1, "q4_k": im_q4_k, "q6_k": im_q6_k}

@@ -1,24 +1,25 @@
 """Integer dot products of quantized weight blocks with int8 activations (LLVM IR emitters).
 
 The activations of a row are quantized per block of 32 (int8 values, a float32 scale, and the
-dequantized sum of every 16 values, for the formats' offsets and minimums), the way llama.cpp
-multiplies its blocks. A block's 32 products are then 2 instructions on AVX2 (``vpmaddubsw``:
-unsigned weight bytes times signed activation bytes, pairs summed to 16 bits; ``vpmaddwd``:
-pairs summed to 32 bits), about a quarter of the work of widening every weight to float; one
-(``vpdpbusd``) where the host has AVX512-VNNI or AVX-VNNI. Where the host has no AVX2 the same
-sums are written in portable IR (exact integers every way, so all give the same bits).
+dequantized sum of every 16 values, for the formats' offsets and minimums), or per block of 256
+for the K-quants (:data:`K_CODES`), the way llama.cpp multiplies its blocks. A block's 32
+products are then one instruction where the host has AVX512-VNNI or AVX-VNNI (``vpdpbusd``)
+and two on AVX2 (``vpmaddubsw``: unsigned weight bytes times signed activation bytes, pairs
+summed to 16 bits; ``vpmaddwd``: pairs summed to 32 bits), about a quarter of the work of
+widening every weight to float. Where the host has no AVX2 the same sums are written in
+portable IR (exact integers every way, so all give the same bits).
 
 Each emitter decodes a weight block once and adds its contribution to several activation rows'
-accumulators (one ``Acc`` per row): ``acc_v`` (8 floats, the
-block's integer partial sums times the product of the weight and activation scales) and
-``acc_s`` (a float, the offset/minimum terms). Integer sums are exact and every float operation
-has a fixed order, so the result of a row depends only on that row (batch invariance).
+accumulators (one ``Acc`` per row): ``acc_v`` (8 floats, integer partial sums times the product
+of the weight and activation scales) and ``acc_s`` (a float, offset/minimum terms). Integer
+sums are exact and every float operation has a fixed order, so the result of a row depends only
+on that row (batch invariance).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from functools import cache, partial
+from functools import cache
 
 from llvmlite import ir
 from numba.core import cgutils
@@ -77,31 +78,18 @@ def _pairs(b: ir.IRBuilder, p: ir.Value) -> ir.Value:
     return b.add(ev, od)
 
 
-def dot_u8s8(
-    b: ir.IRBuilder, u: ir.Value, s: ir.Value, scales16: ir.Value | None = None
-) -> ir.Value:
+def dot_u8s8(b: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
     """<8 x i32>: lane j = sum of u[i] * s[i] for i in 4j .. 4j + 3 (u unsigned < 128, s
-    signed bytes), each pair of 16-bit sums first multiplied by ``scales16`` [16 x i16] if
-    given (Q6_K's per-16 scales)."""
+    signed bytes)."""
     if _vnni():  # one instruction: 4 products summed per 32-bit lane
         zero = ir.Constant(vec(I32, 8), [0] * 8)
         args = [zero, b.bitcast(u, vec(I32, 8)), b.bitcast(s, vec(I32, 8))]
-        sums = _x86(b, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), args)
-        if scales16 is None:
-            return sums
-        per_lane = b.shuffle_vector(
-            scales16, scales16, ir.Constant(vec(I32, 8), list(range(0, 16, 2)))
-        )
-        return b.mul(sums, b.sext(per_lane, vec(I32, 8)))
+        return _x86(b, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), args)
     if _avx2():
         p16 = _x86(b, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [u, s])
-        w = scales16 if scales16 is not None else const_vec(I16, 16, 1)
-        return _x86(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [p16, w])
+        return _x86(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [p16, const_vec(I16, 16, 1)])
     prod = b.mul(b.zext(u, vec(I32, 32)), b.sext(s, vec(I32, 32)))  # [32]
-    p16 = _pair_sums16(b, prod)  # [16]
-    if scales16 is not None:
-        p16 = b.mul(p16, b.sext(scales16, vec(I32, 16)))
-    return _pairs(b, p16)
+    return _pairs(b, _pair_sums16(b, prod))
 
 
 def dot_s8s8(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> ir.Value:
@@ -117,9 +105,58 @@ def dot_s8s8(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> ir.Value:
     return _pairs(b, _pair_sums16(b, prod))
 
 
+def pairs_u8s8(b: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
+    """<16 x i16>: lane j = u[2j] * s[2j] + u[2j + 1] * s[2j + 1] (u unsigned, s signed; the
+    callers keep |sums| < 2^15, so AVX2's saturating ``vpmaddubsw`` is exact)."""
+    if _avx2():
+        return _x86(b, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [u, s])
+    prod = b.mul(b.zext(u, vec(I32, 32)), b.sext(s, vec(I32, 32)))  # [32]
+    return b.trunc(_pair_sums16(b, prod), vec(I16, 16))
+
+
+def pairs_s8s8(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> ir.Value:
+    """As :func:`pairs_u8s8` for signed ``w`` (|w| times s carrying w's sign)."""
+    if _avx2():
+        absw = cgutils.get_or_insert_function(
+            b.module, ir.FunctionType(vec(I8, 32), [vec(I8, 32), ir.IntType(1)]), "llvm.abs.v32i8"
+        )
+        u = b.call(absw, [w, ir.Constant(ir.IntType(1), 0)])
+        return pairs_u8s8(b, u, _x86(b, "llvm.x86.avx2.psign.b", vec(I8, 32), [s, w]))
+    prod = b.mul(b.sext(w, vec(I32, 32)), b.sext(s, vec(I32, 32)))  # [32]
+    return b.trunc(_pair_sums16(b, prod), vec(I16, 16))
+
+
+def acc_pairs(b: ir.IRBuilder, acc: ir.Value, p16: ir.Value, w16: ir.Value) -> ir.Value:
+    """acc <8 x i32> + (lane j: p16[2j] * w16[2j] + p16[2j + 1] * w16[2j + 1]): one
+    ``vpdpwssd`` with VNNI, ``vpmaddwd`` + add on AVX2."""
+    if _vnni():
+        args = [acc, b.bitcast(p16, vec(I32, 8)), b.bitcast(w16, vec(I32, 8))]
+        return _x86(b, "llvm.x86.avx512.vpdpwssd.256", vec(I32, 8), args)
+    if _avx2():
+        return b.add(acc, _x86(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [p16, w16]))
+    return b.add(acc, _pairs(b, b.mul(b.sext(p16, vec(I32, 16)), b.sext(w16, vec(I32, 16)))))
+
+
+def acc_u8s8(b: ir.IRBuilder, acc: ir.Value, u: ir.Value, s: ir.Value) -> ir.Value:
+    """acc <8 x i32> + :func:`dot_u8s8` (one ``vpdpbusd`` with VNNI)."""
+    if _vnni():
+        args = [acc, b.bitcast(u, vec(I32, 8)), b.bitcast(s, vec(I32, 8))]
+        return _x86(b, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), args)
+    return b.add(acc, dot_u8s8(b, u, s))
+
+
+K_CODES = frozenset((3, 4, 8))  # q4_k, q6_k, q5_k: activations in blocks of 256 (Q8_K)
+"""Formats whose activations are quantized per block of 256 (one scale per super-block, and
+integer sums of every 16 values), as llama.cpp's Q8_K does for the K-quants: a super-block's
+sub-block products are then scaled and added in integers and converted to float once, instead
+of once per 32 values. For these formats ``Acts.d`` points at the per-256 scales and ``Acts.s``
+at int32 sums."""
+
+
 class Acts:
     """Pointers to one activation row's quantized form at a block: int8 values ``q``, the
-    per-32 scales ``d`` and the per-16 dequantized sums ``s`` (all at element offsets)."""
+    scales ``d`` (per 32, or per 256 for :data:`K_CODES`) and the sums of every 16 values
+    ``s`` (dequantized floats, or int32 for :data:`K_CODES`), all at element offsets."""
 
     def __init__(self, b: ir.IRBuilder, q: ir.Value, d: ir.Value, s: ir.Value) -> None:
         self.b, self.q, self.d, self.s = b, q, d, s
@@ -138,6 +175,13 @@ class Acts:
 
     def sum32(self, first: int) -> ir.Value:
         return self.b.fadd(self.sum16(first), self.sum16(first + 16))
+
+    def isum16(self, first: int) -> ir.Value:
+        """Integer sum of the int8 values ``first .. first + 16`` (per-256 layout)."""
+        return self.b.load(self.b.gep(self.s, [ir.Constant(I64, first // 16)]))
+
+    def isum32(self, first: int) -> ir.Value:
+        return self.b.add(self.isum16(first), self.isum16(first + 16))
 
 
 class Acc:
@@ -238,11 +282,17 @@ def int_q5_1(
 def _int_k(
     b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], five: bool
 ) -> None:
+    """Q4_K/Q5_K super-block against per-256 activations, in integers per row pair: the
+    values' products times their sub-block's 6-bit scale (``vpmaddubsw`` then ``vpdpwssd``),
+    and the activations times the sub-block's minimum (``vpdpbusd``), each summed over the
+    super-block in 8 int32 lanes (exact: at most ~8 M), then converted and scaled once."""
     d = load_half(b, p)
     dmin = load_half(b, byte_ptr(b, p, 2))
     s = byte_ptr(b, p, 4)
     qh = load_vec(b, byte_ptr(b, p, 16), I8, 32) if five else None
     qs = 48 if five else 16
+    zero = ir.Constant(vec(I32, 8), [0] * 8)
+    sums, mins = [zero for _ in xs], [zero for _ in xs]
     for pair in range(4):
         lo, hi = _nibbles(b, byte_ptr(b, p, qs + 32 * pair), 32)
         for half, u in ((0, lo), (1, hi)):
@@ -251,11 +301,16 @@ def _int_k(
                 top = b.and_(b.lshr(qh, const_vec(I8, 32, j)), const_vec(I8, 32, 1))
                 u = b.or_(u, b.shl(top, const_vec(I8, 32, 4)))
             sc, mn = _k4_scale_min(b, s, j)
-            dsc = b.fmul(d, b.uitofp(sc, F32))
-            dmn = b.fneg(b.fmul(dmin, b.uitofp(mn, F32)))
-            for x, acc, isum in _each(xs, accs, 32 * j, partial(dot_u8s8, b, u)):
-                acc.add_int(isum, b.fmul(dsc, x.scale(32 * j)))
-                acc.add(b.fmul(dmn, x.sum32(32 * j)))
+            sc16 = splat(b, b.trunc(sc, I16), 16)
+            mn8 = splat(b, b.trunc(mn, I8), 32)
+            for i, x in enumerate(xs):
+                v = x.values(32 * j)
+                sums[i] = acc_pairs(b, sums[i], pairs_u8s8(b, u, v), sc16)
+                mins[i] = acc_u8s8(b, mins[i], mn8, v)
+    for x, acc, isum, imin in zip(xs, accs, sums, mins, strict=True):
+        xd = x.scale(0)
+        acc.add_int(isum, b.fmul(d, xd))
+        acc.add_int(imin, b.fneg(b.fmul(dmin, xd)))
 
 
 def int_q4_k(
@@ -273,10 +328,13 @@ def int_q5_k(
 def int_q6_k(
     b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
 ) -> None:
+    """Q6_K super-block against per-256 activations: the signed values (q - 32, so no offset
+    term) times the activations, pairs times their 16-value block's int8 scale, summed over
+    the super-block in int32 lanes, then converted and scaled once per row pair."""
     d = load_half(b, byte_ptr(b, p, 208))
     sc = byte_ptr(b, p, 192)
     three, fifteen = const_vec(I8, 32, 3), const_vec(I8, 32, 15)
-    offsets = [ir.Constant(F32, 0.0) for _ in xs]
+    sums = [ir.Constant(vec(I32, 8), [0] * 8) for _ in xs]
     for h in range(2):
         ql0 = load_vec(b, byte_ptr(b, p, 64 * h), I8, 32)
         ql1 = load_vec(b, byte_ptr(b, p, 64 * h + 32), I8, 32)
@@ -286,6 +344,7 @@ def int_q6_k(
             low = b.and_(low, fifteen) if c < 2 else b.lshr(low, const_vec(I8, 32, 4))
             high = b.and_(b.lshr(qh, const_vec(I8, 32, 2 * c)), three)
             u = b.or_(low, b.shl(high, const_vec(I8, 32, 4)))  # q + 32, 0..63
+            q = b.sub(u, const_vec(I8, 32, 32))  # -32..31
             first = 128 * h + 32 * c
             sa, sb = (b.load(b.gep(sc, [ir.Constant(I64, 8 * h + 2 * c + i)])) for i in range(2))
             s16 = b.shuffle_vector(
@@ -293,15 +352,10 @@ def int_q6_k(
                 splat(b, b.sext(sb, I16), 8),
                 ir.Constant(vec(I32, 16), list(range(16))),
             )
-            fa, fb = b.sitofp(sa, F32), b.sitofp(sb, F32)
-            rows = _each(xs, accs, first, partial(dot_u8s8, b, u, scales16=s16))
-            for i, (x, acc, isum) in enumerate(rows):
-                acc.add_int(isum, b.fmul(d, x.scale(first)))
-                # the -32 of every value: -32 * d * (sa * sum16 + sb * sum16)
-                part = b.fadd(b.fmul(fa, x.sum16(first)), b.fmul(fb, x.sum16(first + 16)))
-                offsets[i] = b.fadd(offsets[i], part)
-    for off, acc in zip(offsets, accs, strict=True):
-        acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -32.0)), off))
+            for i, x in enumerate(xs):
+                sums[i] = acc_pairs(b, sums[i], pairs_s8s8(b, q, x.values(first)), s16)
+    for x, acc, isum in zip(xs, accs, sums, strict=True):
+        acc.add_int(isum, b.fmul(d, x.scale(0)))
 
 
 IntEmitter = Callable[[ir.IRBuilder, ir.Value, Sequence[Acts], Sequence[Acc], ir.Value], None]
