@@ -97,9 +97,9 @@ def _itile(
     m: Any,
     y: Any,
 ) -> Any:
-    """Weight rows ``n .. n + 3`` against activation rows ``m .. m + nx - 1``: their
-    ``4 * nx`` dot products over the whole row, block by block in integers, stored into ``y``
-    (weight rows past the last are computed on the last and not stored). Each weight block is
+    """Weight rows ``n .. n + TILE - 1`` against activation rows ``m .. m + nx - 1``: their
+    ``TILE * nx`` dot products over the whole row, block by block in integers, stored into
+    ``y`` (weight rows past the last are computed on the last and not stored). Each weight block is
     decoded once for all ``nx`` rows; every (weight row, activation row) pair keeps its own
     accumulators and the same operations whatever ``nx`` is, so a row's result does not depend
     on the rows beside it."""
