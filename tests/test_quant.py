@@ -210,8 +210,9 @@ def int8_acts() -> object:
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_int8_activation_products(quant_on: None, int8_acts: object, fmt: str) -> None:
-    """With int8 activations, the product is exactly (activations rounded per block of 32) x
-    (dequantized weights), to float rounding, and a row's bits do not depend on its block."""
+    """With int8 activations, the product is exactly (activations rounded per block of 32, or
+    256 for the K-quants) x (dequantized weights), to float rounding, and a row's bits do not
+    depend on its block."""
     from engine.kernels._int_mm import quantize_acts, quantize_acts_k
 
     k = 512

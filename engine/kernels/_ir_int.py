@@ -78,33 +78,6 @@ def _pairs(b: ir.IRBuilder, p: ir.Value) -> ir.Value:
     return b.add(ev, od)
 
 
-def dot_u8s8(b: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
-    """<8 x i32>: lane j = sum of u[i] * s[i] for i in 4j .. 4j + 3 (u unsigned < 128, s
-    signed bytes)."""
-    if _vnni():  # one instruction: 4 products summed per 32-bit lane
-        zero = ir.Constant(vec(I32, 8), [0] * 8)
-        args = [zero, b.bitcast(u, vec(I32, 8)), b.bitcast(s, vec(I32, 8))]
-        return _x86(b, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), args)
-    if _avx2():
-        p16 = _x86(b, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [u, s])
-        return _x86(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [p16, const_vec(I16, 16, 1)])
-    prod = b.mul(b.zext(u, vec(I32, 32)), b.sext(s, vec(I32, 32)))  # [32]
-    return _pairs(b, _pair_sums16(b, prod))
-
-
-def dot_s8s8(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> ir.Value:
-    """As :func:`dot_u8s8` for signed weights (|w| times s carrying w's sign)."""
-    if _avx2():
-        absw = cgutils.get_or_insert_function(
-            b.module, ir.FunctionType(vec(I8, 32), [vec(I8, 32), ir.IntType(1)]), "llvm.abs.v32i8"
-        )
-        u = b.call(absw, [w, ir.Constant(ir.IntType(1), 0)])
-        sg = _x86(b, "llvm.x86.avx2.psign.b", vec(I8, 32), [s, w])
-        return dot_u8s8(b, u, sg)
-    prod = b.mul(b.sext(w, vec(I32, 32)), b.sext(s, vec(I32, 32)))
-    return _pairs(b, _pair_sums16(b, prod))
-
-
 def pairs_u8s8(b: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
     """<16 x i16>: lane j = u[2j] * s[2j] + u[2j + 1] * s[2j + 1] (u unsigned, s signed; the
     callers keep |sums| < 2^15, so AVX2's saturating ``vpmaddubsw`` is exact)."""
@@ -114,14 +87,42 @@ def pairs_u8s8(b: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
     return b.trunc(_pair_sums16(b, prod), vec(I16, 16))
 
 
-def pairs_s8s8(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> ir.Value:
-    """As :func:`pairs_u8s8` for signed ``w`` (|w| times s carrying w's sign)."""
+def _abs_sign(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Signed bytes w, s -> (|w|, s carrying w's sign): the same products, with the unsigned
+    first operand the x86 byte dot products need (AVX2 only)."""
+    absw = cgutils.get_or_insert_function(
+        b.module, ir.FunctionType(vec(I8, 32), [vec(I8, 32), ir.IntType(1)]), "llvm.abs.v32i8"
+    )
+    u = b.call(absw, [w, ir.Constant(ir.IntType(1), 0)])
+    return u, _x86(b, "llvm.x86.avx2.psign.b", vec(I8, 32), [s, w])
+
+
+def dot_u8s8(b: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
+    """<8 x i32>: lane j = sum of u[i] * s[i] for i in 4j .. 4j + 3 (u unsigned < 128, s
+    signed bytes)."""
+    if _vnni():  # one instruction: 4 products summed per 32-bit lane
+        zero = ir.Constant(vec(I32, 8), [0] * 8)
+        args = [zero, b.bitcast(u, vec(I32, 8)), b.bitcast(s, vec(I32, 8))]
+        return _x86(b, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), args)
     if _avx2():
-        absw = cgutils.get_or_insert_function(
-            b.module, ir.FunctionType(vec(I8, 32), [vec(I8, 32), ir.IntType(1)]), "llvm.abs.v32i8"
-        )
-        u = b.call(absw, [w, ir.Constant(ir.IntType(1), 0)])
-        return pairs_u8s8(b, u, _x86(b, "llvm.x86.avx2.psign.b", vec(I8, 32), [s, w]))
+        p16 = pairs_u8s8(b, u, s)
+        return _x86(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [p16, const_vec(I16, 16, 1)])
+    prod = b.mul(b.zext(u, vec(I32, 32)), b.sext(s, vec(I32, 32)))  # [32]
+    return _pairs(b, _pair_sums16(b, prod))
+
+
+def dot_s8s8(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> ir.Value:
+    """As :func:`dot_u8s8` for signed weights."""
+    if _avx2():
+        return dot_u8s8(b, *_abs_sign(b, w, s))
+    prod = b.mul(b.sext(w, vec(I32, 32)), b.sext(s, vec(I32, 32)))
+    return _pairs(b, _pair_sums16(b, prod))
+
+
+def pairs_s8s8(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> ir.Value:
+    """As :func:`pairs_u8s8` for signed ``w``."""
+    if _avx2():
+        return pairs_u8s8(b, *_abs_sign(b, w, s))
     prod = b.mul(b.sext(w, vec(I32, 32)), b.sext(s, vec(I32, 32)))  # [32]
     return b.trunc(_pair_sums16(b, prod), vec(I16, 16))
 
@@ -175,13 +176,6 @@ class Acts:
 
     def sum32(self, first: int) -> ir.Value:
         return self.b.fadd(self.sum16(first), self.sum16(first + 16))
-
-    def isum16(self, first: int) -> ir.Value:
-        """Integer sum of the int8 values ``first .. first + 16`` (per-256 layout)."""
-        return self.b.load(self.b.gep(self.s, [ir.Constant(I64, first // 16)]))
-
-    def isum32(self, first: int) -> ir.Value:
-        return self.b.add(self.isum16(first), self.isum16(first + 16))
 
 
 class Acc:
