@@ -84,6 +84,22 @@ class WanProxy:
         self._thread = None
         self._loop = None
 
+    def drop_connections(self) -> int:
+        """Close every connection through the proxy now (as a network drop does), and keep
+        listening for new ones. Returns how many connections were open."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return 0
+
+        async def drop() -> int:
+            writers = list(self._writers)
+            for w in writers:
+                w.close()
+            await asyncio.sleep(0)
+            return len(writers) // 2  # each connection has a client side and a server side
+
+        return int(asyncio.run_coroutine_threadsafe(drop(), loop).result(timeout=5))
+
     def __enter__(self) -> WanProxy:
         return self.start()
 

@@ -6,7 +6,7 @@ Threads:
   validates every message, answers pings, opens/closes sessions, checks ownership and step
   order, reaps idle sessions, and hands steps to the worker. It never runs tensor math, so
   heartbeats and other clients stay responsive while a long block is computed. Who may talk
-  and who a reply may reach (revocation, routing-id binding) is ``remote.gate``.
+  (revocation) is ``remote.gate``.
 * the *worker* (:class:`remote.worker.TrunkWorker`, socket-free) owns the sessions' KV caches
   and runs queued steps in batches on its own thread; its answers come back through
   :meth:`TrunkServer._done`, which sends the reply frames to the socket thread over an inproc
@@ -34,7 +34,7 @@ from engine.config import ModelConfig
 from engine.loading import WeightReader, load_config, resolve, weights_fingerprint
 from engine.model import layer_tensor_names
 from engine.quant.load import client_reader, resolve_quant
-from remote.gate import HOLD, SEND, ConnectionGate
+from remote.gate import ConnectionGate
 from remote.stages import Stage, load_stages, parse_devices, split_layers
 from remote.worker import Done, Job, TrunkWorker, WorkerOptions
 
@@ -81,8 +81,8 @@ class ServerOptions:
 @dataclass
 class Session:
     sid: str
-    owner: bytes  # ROUTER identity of the connection that opened it
-    user: str  # CURVE public key of that connection ("" when insecure)
+    owner: bytes  # routing id of the connection that last spoke for it: where replies go
+    user: str  # CURVE public key that opened it, and owns it ("" when insecure)
     dtype: str  # wire dtype
     max_context: int
     last_step: int = -1  # last step accepted (queued or done)
@@ -152,10 +152,7 @@ class TrunkServer:
         self.ready = threading.Event()
         self.auth: Any = None
         self.stats = {"steps": 0, "errors": 0, "opened": 0}
-        # socket thread: binds routing ids to CURVE keys, says where replies may go
-        self.gate = ConnectionGate(
-            allowed, opts.insecure, MAX_IN_FLIGHT * max(opts.max_sessions_per_client, 1)
-        )
+        self.gate = ConnectionGate(allowed, opts.insecure)  # socket thread: the allow-list
 
     def _make_worker(self) -> Backend:
         """What computes the steps: the trunk layers, read once, and a batching worker over them.
@@ -221,10 +218,10 @@ class TrunkServer:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        # A client that reconnects after a network drop keeps its (random, secret) routing id;
-        # let the new connection take it over at once instead of waiting for the dead one to
-        # time out. Sessions also check the CURVE key, so the id alone grants nothing.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No handover: a routing id names one connection for its whole life, so no other
+        # connection can take over where a reply goes. (Clients leave the id to the server; a
+        # reconnected client is found again by its key and session, see `_owned`.)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         sock.setsockopt(
             zmq.MAXMSGSIZE, P.MAX_BLOCK * self.config.hidden_size * 4 + P.MAX_HEADER_BYTES
         )
@@ -242,7 +239,6 @@ class TrunkServer:
             sock.curve_publickey = self.public_key
         sock.bind(self.opts.bind)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.gate.attach(sock)
         return sock
 
     def callback(self, domain: str, key: bytes) -> bool:
@@ -293,7 +289,6 @@ class TrunkServer:
             if self._out is not None:
                 self._out.close(0)
             back.close(0)
-            self.gate.detach(sock)
             sock.close(0)
             if self.auth is not None:
                 self.auth.stop()
@@ -323,24 +318,27 @@ class TrunkServer:
         self._reply(sock, ident, P.Error(code, message, session, step))
 
     def _deliver(self, sock: zmq.Socket, frames: list[Any]) -> None:
-        """Push a worker reply ([routing id, *message]) where the gate allows (held: sent when
-        the id's key speaks again; it also stays cached for a retry of the step)."""
-        ident = bytes(frames[0].bytes) if isinstance(frames[0], zmq.Frame) else bytes(frames[0])
-        verdict = self.gate.route(ident)
-        if verdict == SEND:
-            self._send(sock, frames)
-        elif verdict == HOLD:
-            self.gate.hold(ident, frames)
-
-    def _owns_sessions(self, ident: bytes) -> bool:
-        with self.lock:
-            return any(s.owner == ident for s in self.sessions.values())
-
-    def _owned(self, sid: str, ident: bytes, user: str) -> Session | None:
+        """Push a worker reply ([session id, routing id when computed, *message]) to the
+        connection that last spoke for the session, unless its key was revoked meanwhile (a
+        reply that finds nobody stays cached for a retry of the step)."""
+        sid = bytes(frames[0].bytes if isinstance(frames[0], zmq.Frame) else frames[0]).decode()
         with self.lock:
             s = self.sessions.get(sid)
-        if s is None or s.closed or s.owner != ident or s.user != user:
-            return None
+        if s is not None and not self.gate.key_allowed(s.user):
+            return
+        self._send(sock, [s.owner if s is not None else frames[1], *frames[2:]])
+
+    def _owned(self, sid: str, ident: bytes, user: str) -> Session | None:
+        """The open session ``sid`` if the key ``user`` owns it (None otherwise). A message
+        about it from another connection of that key — the client reconnected — moves its
+        replies there."""
+        with self.lock:
+            s = self.sessions.get(sid)
+            if s is None or s.closed or s.user != user:
+                return None
+            if s.owner != ident:
+                log.debug("session %s: its client spoke from a new connection", sid[:8])
+                s.owner = ident
         return s
 
     def _handle(self, sock: zmq.Socket, frames: list[Any]) -> None:
@@ -354,12 +352,10 @@ class TrunkServer:
                 user = frames[1].get("User-Id") or ""
             except Exception:
                 user = ""
-        refusal = self.gate.admit(ident, user, self._owns_sessions)
+        refusal = self.gate.admit(user)
         if refusal is not None:
             self._error(sock, ident, P.E_DENIED, refusal)
             return
-        for held in self.gate.take_held(ident):
-            self._send(sock, held)
         try:
             msg = P.decode(frames[1:])
         except P.ProtocolError as exc:
@@ -621,9 +617,6 @@ class TrunkServer:
         for s in live:
             if s.user in revoked and not s.closed:
                 self._drop(s, "closed: its key was revoked")
-        with self.lock:
-            owners = {s.owner for s in self.sessions.values()}
-        self.gate.forget_except(owners)
 
     # ------------------------------------------------------------------ worker thread
 
@@ -647,4 +640,4 @@ class TrunkServer:
         if self._out is None:
             self._out = self.ctx.socket(zmq.PAIR)
             self._out.connect(f"inproc://veil-worker-{id(self)}")
-        self._out.send_multipart([s.owner, *frames], copy=False)
+        self._out.send_multipart([s.sid.encode(), s.owner, *frames], copy=False)

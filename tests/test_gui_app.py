@@ -267,9 +267,15 @@ def test_server_down_shows_error_keeps_draft_then_recovers(
             assert "Cannot reach the built-in server" in w.gauges.connection.text()
         finally:
             server.restart()
-    qtbot.waitUntil(lambda: w.app.host.state == CONNECTED, timeout=WAIT_MS)
+    # Send while the background reconnect attempt may still run: the click is a send, not a
+    # "Stop" of that attempt, and the message waits for it (it once raced the attempt's end).
+    w._maybe_reconnect()
+    assert w.app.chat.probing or w.app.host.state == CONNECTED
+    assert w.chat_view.send_button.text() == "Send"
     qtbot.mouseClick(w.chat_view.send_button, Qt.MouseButton.LeftButton)
+    assert w.app.chat.busy  # the turn started
     wait_idle(qtbot, w)
+    assert w.app.host.state == CONNECTED
     msgs = w.app.chat.messages()
     assert [m.role for m in msgs] == ["user", "assistant"] * 2
     assert msgs[2].content == "please keep this text" and msgs[3].content

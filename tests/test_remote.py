@@ -174,9 +174,13 @@ def test_wrong_server_key_fails_cleanly(server: LocalTrunkServer, client: Client
         )
 
 
-def test_another_connection_cannot_touch_a_session(
+def test_a_session_follows_its_key_to_a_new_connection(
     server: LocalTrunkServer, client: ClientModel
 ) -> None:
+    """A session belongs to the key that opened it, not to one connection: a message about it
+    from another connection of that key (a client that reconnected after a network drop) moves
+    its replies there, and the next step from the first connection moves them back. (Another
+    key is refused: tests/test_hardening.py.)"""
     want = tokens(local_runner(client))
     with server.connect(client, wire_dtype="float32") as trunk:
         runner = SplitRunner(client, trunk)
@@ -184,20 +188,32 @@ def test_another_connection_cannot_touch_a_session(
         runner.forward(PROMPT[:4], range(4))
         sid = trunk.session
         assert sid
-        b = raw_socket(server)  # same allowed key, different connection
-        h = torch.zeros(1, client.config.hidden_size)  # [B, H]
-        for msg in (
-            P.Step(sid, trunk.step_id + 1, [4], None, None, "float32", h),
-            P.Step(sid, 0, [0], None, None, "float32", h),
-            P.Close(sid),
-        ):
-            r = ask(b, P.encode(msg))
-            assert isinstance(r, P.Error) and r.code == P.E_UNKNOWN_SESSION
+        b = raw_socket(server)  # same key, another connection
         pong = ask(b, P.encode(P.Ping(5, sid)))
-        assert isinstance(pong, P.Pong) and not pong.known and pong.last_step == -1
-        b.close(0)
-        # A's session is untouched: the whole generation still matches
+        assert isinstance(pong, P.Pong) and pong.known and pong.last_step == trunk.step_id
+        # A's session goes on where it was: the whole generation still matches, no replay
         assert tokens(runner) == want and trunk.replays == 0
+        assert b.poll(300) == 0  # and none of A's replies went to B
+        b.close(0)
+
+
+def test_a_network_drop_keeps_the_session(folder: Path, client: ClientModel) -> None:
+    """The proxy cuts every connection twice mid-generation: the client's socket reconnects, its
+    next message tells the server where the session's replies go now, and nothing is replayed."""
+    want = tokens(local_runner(client))
+    with start_local_trunk(str(folder), rtt_ms=10) as srv:
+        assert srv.proxy is not None
+        proxy = srv.proxy
+        with srv.connect(client, wire_dtype="float32", **FAST) as trunk:
+            dropped: list[int] = []
+
+            def on_text(delta: str) -> None:
+                if len(dropped) < 2:
+                    dropped.append(proxy.drop_connections())
+
+            assert tokens(SplitRunner(client, trunk), on_text=on_text) == want
+            assert dropped == [1, 1]
+            assert trunk.replays == 0 and trunk.reconnects == 0
 
 
 def test_fingerprint_mismatch(server: LocalTrunkServer, tmp_path: Path) -> None:

@@ -48,7 +48,8 @@ class ChatController:
     def __init__(self, store: Store, host: EngineHost, executor: Executor, settings: Settings):
         self.store, self.host, self.executor, self.settings = store, host, executor, settings
         self.current: int | None = None
-        self.busy = False
+        self.busy = False  # a reply is being written (the Send button is "Stop")
+        self.probing = False  # a background reconnect attempt runs (Send still works: queued)
         self._task: Task | None = None
         self._streaming: Message | None = None
         self._last_save = 0.0
@@ -323,18 +324,20 @@ class ChatController:
     # --- connection -----------------------------------------------------------------------
 
     def needs_reconnect(self) -> bool:
-        return self.host.state == OFFLINE and not self.busy
+        return self.host.state == OFFLINE and not self.busy and not self.probing
 
     def reconnect(self) -> None:
-        """Try the server again in the background (the GUI calls this on a timer)."""
+        """Try the server again in the background (the GUI calls this on a timer). This does
+        not make the chat busy: a message sent meanwhile waits for the attempt (tasks run in
+        order) and then connects or fails by itself."""
         if not self.needs_reconnect():
             return
 
         def done(_: object) -> None:
-            self._set_busy(False)
+            self.probing = False
             self.state_changed.emit(self.host.state)
 
-        self._set_busy(True)
+        self.probing = True
         self.executor.submit(
             Task(
                 "reconnect",

@@ -5,7 +5,6 @@ builds sessions and steps on top of it."""
 from __future__ import annotations
 
 import contextlib
-import secrets
 import time
 
 import zmq
@@ -49,9 +48,9 @@ class Link:
             # A bigger frame than any reply we can ask for drops the connection before a byte
             # of it is kept (a faulty or hostile server cannot make us buffer 256 MiB).
             s.setsockopt(zmq.MAXMSGSIZE, self.max_reply_bytes)
-            # A random routing id that survives reconnects of this socket, so a brief network
-            # drop keeps the session (the server also checks the CURVE key behind it).
-            s.setsockopt(zmq.ROUTING_ID, b"v" + secrets.token_bytes(15))
+            # No routing id of our own: the server gives each connection one that no other
+            # connection can take over. After a network drop, our next ping or step (same key,
+            # same session) tells the server where the session's replies go now.
             if self.server_key is not None and self.client_keys is not None:
                 s.curve_serverkey = self.server_key.encode()
                 s.curve_publickey = self.client_keys[0].encode()
