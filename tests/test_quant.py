@@ -215,17 +215,23 @@ def test_int8_activation_products(quant_on: None, int8_acts: object, fmt: str) -
     depend on its block."""
     from engine.kernels._int_mm import quantize_acts, quantize_acts_k
 
-    k = 512
+    k = 512 if fmt.endswith("_k") else 480  # 15 blocks of 32: 3 groups of 4 and 3 alone
     w = rand_quant(fmt, 37, k, seed=11)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(11))
     y = kernels.linear(x, w)
     block = 256 if fmt.endswith("_k") else 32  # K-quants: activations per 256 (Q8_K)
     xq = np.empty((9, k), np.int8)
     xd = np.empty((9, k // block), np.float32)
-    xs = np.empty((9, k // 16), np.int32 if block == 256 else np.float32)
+    sums = 16 if block == 256 else 32  # integer sums, for the offsets and minimums
+    xs = np.empty((9, k // sums), np.int16 if block == 256 else np.int32)
     (quantize_acts_k if block == 256 else quantize_acts)(x.numpy(), xq, xd, xs)
-    if block == 256:  # the integer sums of every 16 values
-        assert np.array_equal(xq.astype(np.int32).reshape(9, -1, 16).sum(-1), xs)
+    if block == 32:  # whole groups of 4 blocks are stored interleaved: put them back in order
+        pos = [
+            32 * (i // 8) + 4 * (j + 4 * (i // 4 % 2)) + i % 4 for j in range(4) for i in range(32)
+        ]
+        for g in range(k // 128):
+            xq[:, 128 * g : 128 * g + 128] = xq[:, 128 * g + np.array(pos)]
+    assert np.array_equal(xq.astype(np.int32).reshape(9, -1, sums).sum(-1), xs)
     xr = (xq.astype(np.float64).reshape(9, -1, block) * xd[..., None]).reshape(9, k)
     ref = xr @ reference(w).astype(np.float64).T
     assert np.allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

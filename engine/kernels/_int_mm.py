@@ -21,8 +21,8 @@ from numba import literally, njit, prange, types
 from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
-from engine.kernels._ir import F32, FORMATS, I32, I64, byte_ptr, reduce_lanes
-from engine.kernels._ir_int import INT_FORMATS, K_CODES, Acc, Acts
+from engine.kernels._ir import F32, FORMATS, I64, byte_ptr, reduce_lanes
+from engine.kernels._ir_int import GROUP, GROUPED, INT_FORMATS, K_CODES, Acc, Acts
 
 # numba caches a frozen app's functions too (in the user cache, keyed by the executable)
 CACHE = True
@@ -33,7 +33,11 @@ _OPTS: dict[str, Any] = {"boundscheck": False, "nogil": True, "cache": CACHE}
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
 def quantize_acts(x: Any, q: Any, d: Any, s: Any) -> None:
     """x [M, K] float32 -> q int8 [M, K], d [M, K/32] (scale of each block of 32: max|x|/127),
-    s [M, K/16] (d times the sum of each 16 quantized values)."""
+    s int32 [M, K/32] (the sum of the block's quantized values). Within each whole group of 4
+    blocks (128 values) ``q`` is interleaved as the grouped kernels read it
+    (:func:`engine.kernels._ir_int.interleave`): 4-byte piece p of block j goes to byte
+    32 * (p // 2) + 4 * (j + 4 * (p % 2)); the blocks past the last whole group stay in order."""
+    grouped = x.shape[1] // 128 * 4  # blocks in whole groups
     for m in range(x.shape[0]):
         for blk in range(x.shape[1] // 32):
             o = blk * 32
@@ -43,21 +47,26 @@ def quantize_acts(x: Any, q: Any, d: Any, s: Any) -> None:
             dd = amax / np.float32(127.0)
             inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
             d[m, blk] = dd
-            for h in range(2):
-                tot = 0
-                for i in range(16):
-                    v = math.floor(x[m, o + 16 * h + i] * inv + np.float32(0.5))
-                    v = min(127, max(-127, v))
-                    q[m, o + 16 * h + i] = v
-                    tot += v
-                s[m, 2 * blk + h] = dd * np.float32(tot)
+            tot = 0
+            for i in range(32):
+                v = math.floor(x[m, o + i] * inv + np.float32(0.5))
+                v = min(127, max(-127, v))
+                if blk < grouped:
+                    piece = i // 4
+                    at = (blk - blk % 4) * 32 + 32 * (piece // 2) + 4 * (blk % 4 + 4 * (piece % 2))
+                    q[m, at + i % 4] = v
+                else:
+                    q[m, o + i] = v
+                tot += v
+            s[m, blk] = tot
 
 
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
 def quantize_acts_k(x: Any, q: Any, d: Any, s: Any) -> None:
     """As :func:`quantize_acts` in blocks of 256 (llama.cpp's Q8_K, for the K-quants):
-    x [M, K] float32 -> q int8 [M, K], d [M, K/256] (max|x|/127 of each block), s int32
-    [M, K/16] (the integer sum of each 16 quantized values)."""
+    x [M, K] float32 -> q int8 [M, K], d [M, K/256] (max|x|/127 of each block), s int16
+    [M, K/16] (the integer sum of each 16 quantized values, for the formats' minimums and
+    offsets)."""
     for m in range(x.shape[0]):
         for blk in range(x.shape[1] // 256):
             o = blk * 256
@@ -99,15 +108,17 @@ def _itile(
 ) -> Any:
     """Weight rows ``n .. n + TILE - 1`` against activation rows ``m .. m + nx - 1``: their
     ``TILE * nx`` dot products over the whole row, block by block in integers, stored into
-    ``y`` (weight rows past the last are computed on the last and not stored). Each weight block is
-    decoded once for all ``nx`` rows; every (weight row, activation row) pair keeps its own
-    accumulators and the same operations whatever ``nx`` is, so a row's result does not depend
-    on the rows beside it."""
+    ``y`` (weight rows past the last are computed on the last and not stored). Each weight
+    block is decoded once for all ``nx`` rows (the blocks of formats with a grouped emitter,
+    :data:`engine.kernels._ir_int.GROUPED`, four at a time); every (weight row, activation
+    row) pair keeps its own accumulators and the same operations whatever ``nx`` is, so a
+    row's result does not depend on the rows beside it."""
     for lit in (fmt, nx):
         if not isinstance(lit, types.IntegerLiteral):
             raise errors.RequireLiteralValue(lit)
     _, per, nbytes, _ = FORMATS[fmt.literal_value]
     emit = INT_FORMATS[fmt.literal_value]
+    group = GROUPED.get(fmt.literal_value)
     rows_x = nx.literal_value
     sig = types.none(fmt, nx, w, n, scale, xq, xd, xs, m, y)
 
@@ -117,7 +128,6 @@ def _itile(
         qa, da, ssa = (_array(context, b, signature.args[i], args[i]) for i in (5, 6, 7))
         ya = _array(context, b, signature.args[9], args[9])
         n_, m_ = _i64(b, args[3]), _i64(b, args[8])
-        nb = b.udiv(_i64(b, b.extract_value(qa.shape, 1)), ir.Constant(I64, per))
         last = b.sub(_i64(b, b.extract_value(wa.shape, 0)), ir.Constant(I64, 1))
         wstride = b.extract_value(wa.strides, 0)
         rows, scales, valid = [], [], []
@@ -137,12 +147,12 @@ def _itile(
 
             xrows.append((row(qa), row(da), row(ssa)))
         k_acts = fmt.literal_value in K_CODES
-        s_type = ir.PointerType(I32 if k_acts else F32)
-        with cgutils.for_range(b, nb) as loop:
-            first = b.mul(loop.index, ir.Constant(I64, per))  # element index
+        s_type = ir.PointerType(ir.IntType(16) if k_acts else ir.IntType(32))
+
+        def acts_at(first: ir.Value) -> list[Acts]:  # every row's Acts at element ``first``
             d_at = b.udiv(first, ir.Constant(I64, 256 if k_acts else 32))
-            s_at = b.udiv(first, ir.Constant(I64, 16))
-            acts = [
+            s_at = b.udiv(first, ir.Constant(I64, 16 if k_acts else 32))
+            return [
                 Acts(
                     b,
                     b.gep(q, [first]),
@@ -151,9 +161,25 @@ def _itile(
                 )
                 for q, d, s in xrows
             ]
+
+        def block(r: int, index: ir.Value) -> ir.Value:  # weight row r's block ``index``
+            return b.gep(rows[r], [b.mul(index, ir.Constant(I64, nbytes))])
+
+        nb = b.udiv(_i64(b, b.extract_value(qa.shape, 1)), ir.Constant(I64, per))
+        start = ir.Constant(I64, 0)
+        if group is not None:  # whole groups of blocks first, then the blocks left
+            groups = b.udiv(nb, ir.Constant(I64, GROUP))
+            with cgutils.for_range(b, groups) as loop:
+                blk0 = b.mul(loop.index, ir.Constant(I64, GROUP))
+                acts = acts_at(b.mul(blk0, ir.Constant(I64, per)))
+                for r in range(TILE):
+                    ps = [block(r, b.add(blk0, ir.Constant(I64, j))) for j in range(GROUP)]
+                    group(b, ps, acts, accs[r], scales[r])
+            start = b.mul(groups, ir.Constant(I64, GROUP))
+        with cgutils.for_range_slice(b, start, nb, ir.Constant(I64, 1)) as (index, _):
+            acts = acts_at(b.mul(index, ir.Constant(I64, per)))
             for r in range(TILE):
-                p = b.gep(rows[r], [b.mul(loop.index, ir.Constant(I64, nbytes))])
-                emit(b, p, acts, accs[r], scales[r])
+                emit(b, block(r, index), acts, accs[r], scales[r])
         ys0, ys1 = (b.extract_value(ya.strides, i) for i in range(2))
         for r in range(TILE):
             with cgutils.if_likely(b, valid[r]):
@@ -170,19 +196,28 @@ def _itile(
 itile: Any = intrinsic(prefer_literal=True)(_itile)
 
 
+PANEL = 32  # weight rows per pass of each group of activation rows
+
+
 @njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
 def _tiles(fmt: int, xq: Any, xd: Any, xs: Any, w: Any, scale: Any, y: Any, a: int, z: int) -> None:
+    """Weight rows ``a * TILE ..`` up to ``z * TILE`` against every activation row, in panels of
+    :data:`PANEL` weight rows (kept in the L2 cache while each group of 8 activation rows goes
+    over them)."""
     rows = xq.shape[0]
     eights = rows - rows % 8
     fours = rows - rows % 4
-    for tile in range(a, z):
-        n0 = tile * TILE
+    for p0 in range(a, z, PANEL):
+        p1 = min(z, p0 + PANEL)
         for m in range(0, eights, 8):
-            itile(fmt, 8, w, n0, scale, xq, xd, xs, m, y)
+            for tile in range(p0, p1):
+                itile(fmt, 8, w, tile * TILE, scale, xq, xd, xs, m, y)
         if fours > eights:
-            itile(fmt, 4, w, n0, scale, xq, xd, xs, eights, y)
+            for tile in range(p0, p1):
+                itile(fmt, 4, w, tile * TILE, scale, xq, xd, xs, eights, y)
         for m in range(fours, rows):
-            itile(fmt, 1, w, n0, scale, xq, xd, xs, m, y)
+            for tile in range(p0, p1):
+                itile(fmt, 1, w, tile * TILE, scale, xq, xd, xs, m, y)
 
 
 @njit(parallel=True, **_OPTS)  # type: ignore[untyped-decorator]
@@ -212,9 +247,9 @@ def _product(fmt: int, xq: Any, xd: Any, xs: Any, w: Any, scale: Any, y: Any, th
 @njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
 def _run(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
     m, k = x.shape
-    xq = np.empty((m, k), dtype=np.int8)
+    xq = np.empty((m, k + 64), dtype=np.int8)[:, :k]
     xd = np.empty((m, k // 32), dtype=np.float32)
-    xs = np.empty((m, k // 16), dtype=np.float32)
+    xs = np.empty((m, k // 32), dtype=np.int32)
     quantize_acts(x, xq, xd, xs)
     _product(fmt, xq, xd, xs, w, scale, y, threads)
 
@@ -222,9 +257,9 @@ def _run(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
 @njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
 def _run_k(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
     m, k = x.shape
-    xq = np.empty((m, k), dtype=np.int8)
+    xq = np.empty((m, k + 64), dtype=np.int8)[:, :k]
     xd = np.empty((m, k // 256), dtype=np.float32)
-    xs = np.empty((m, k // 16), dtype=np.int32)
+    xs = np.empty((m, k // 16), dtype=np.int16)
     quantize_acts_k(x, xq, xd, xs)
     _product(fmt, xq, xd, xs, w, scale, y, threads)
 

@@ -18,7 +18,7 @@ on that row (batch invariance).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 
 from llvmlite import ir
@@ -43,6 +43,11 @@ from engine.kernels._ir import (
 )
 
 I16 = ir.IntType(16)
+
+IntEmitter = Callable[[ir.IRBuilder, ir.Value, Sequence["Acts"], Sequence["Acc"], ir.Value], None]
+GroupEmitter = Callable[
+    [ir.IRBuilder, Sequence[ir.Value], Sequence["Acts"], Sequence["Acc"], ir.Value], None
+]
 
 
 @cache
@@ -119,14 +124,6 @@ def dot_s8s8(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> ir.Value:
     return _pairs(b, _pair_sums16(b, prod))
 
 
-def pairs_s8s8(b: ir.IRBuilder, w: ir.Value, s: ir.Value) -> ir.Value:
-    """As :func:`pairs_u8s8` for signed ``w``."""
-    if _avx2():
-        return pairs_u8s8(b, *_abs_sign(b, w, s))
-    prod = b.mul(b.sext(w, vec(I32, 32)), b.sext(s, vec(I32, 32)))  # [32]
-    return b.trunc(_pair_sums16(b, prod), vec(I16, 16))
-
-
 def acc_pairs(b: ir.IRBuilder, acc: ir.Value, p16: ir.Value, w16: ir.Value) -> ir.Value:
     """acc <8 x i32> + (lane j: p16[2j] * w16[2j] + p16[2j + 1] * w16[2j + 1]): one
     ``vpdpwssd`` with VNNI, ``vpmaddwd`` + add on AVX2."""
@@ -138,26 +135,18 @@ def acc_pairs(b: ir.IRBuilder, acc: ir.Value, p16: ir.Value, w16: ir.Value) -> i
     return b.add(acc, _pairs(b, b.mul(b.sext(p16, vec(I32, 16)), b.sext(w16, vec(I32, 16)))))
 
 
-def acc_u8s8(b: ir.IRBuilder, acc: ir.Value, u: ir.Value, s: ir.Value) -> ir.Value:
-    """acc <8 x i32> + :func:`dot_u8s8` (one ``vpdpbusd`` with VNNI)."""
-    if _vnni():
-        args = [acc, b.bitcast(u, vec(I32, 8)), b.bitcast(s, vec(I32, 8))]
-        return _x86(b, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), args)
-    return b.add(acc, dot_u8s8(b, u, s))
-
-
 K_CODES = frozenset((3, 4, 8))  # q4_k, q6_k, q5_k: activations in blocks of 256 (Q8_K)
 """Formats whose activations are quantized per block of 256 (one scale per super-block, and
 integer sums of every 16 values), as llama.cpp's Q8_K does for the K-quants: a super-block's
 sub-block products are then scaled and added in integers and converted to float once, instead
-of once per 32 values. For these formats ``Acts.d`` points at the per-256 scales and ``Acts.s``
-at int32 sums."""
+of once per 32 values, and its minimums or offsets meet the activations' sums in one product.
+For these formats ``Acts.d`` points at the per-256 scales and ``Acts.s`` at int16 sums."""
 
 
 class Acts:
     """Pointers to one activation row's quantized form at a block: int8 values ``q``, the
-    scales ``d`` (per 32, or per 256 for :data:`K_CODES`) and the sums of every 16 values
-    ``s`` (dequantized floats, or int32 for :data:`K_CODES`), all at element offsets."""
+    scales ``d`` (per 32, or per 256 for :data:`K_CODES`) and the integer sums ``s`` (int32 of
+    every 32 values, or int16 of every 16 for :data:`K_CODES`), all at element offsets."""
 
     def __init__(self, b: ir.IRBuilder, q: ir.Value, d: ir.Value, s: ir.Value) -> None:
         self.b, self.q, self.d, self.s = b, q, d, s
@@ -170,12 +159,14 @@ class Acts:
         """Scale of the 32-block holding element ``first``."""
         return self.b.load(self.b.gep(self.d, [ir.Constant(I64, first // 32)]))
 
-    def sum16(self, first: int) -> ir.Value:
-        """Dequantized sum of elements ``first .. first + 16``."""
-        return self.b.load(self.b.gep(self.s, [ir.Constant(I64, first // 16)]))
+    def isum32(self, first: int) -> ir.Value:
+        """Integer sum of elements ``first .. first + 32`` (the per-32 formats)."""
+        return self.b.load(self.b.gep(self.s, [ir.Constant(I64, first // 32)]))
 
-    def sum32(self, first: int) -> ir.Value:
-        return self.b.fadd(self.sum16(first), self.sum16(first + 16))
+    def isums(self) -> ir.Value:
+        """<16 x i16>: the integer sums of a super-block's sixteen 16-value groups
+        (:data:`K_CODES` only; ``s`` points at the super-block's first)."""
+        return load_vec(self.b, self.s, I16, 16)
 
 
 class Acc:
@@ -201,50 +192,61 @@ def _u32(b: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
     return b.shuffle_vector(lo, hi, ir.Constant(vec(I32, 32), list(range(32))))
 
 
-def _each(
-    xs: Sequence[Acts], accs: Sequence[Acc], first: int, dot: Callable[[ir.Value], ir.Value]
-) -> Iterator[tuple[Acts, Acc, ir.Value]]:
-    """For every activation row: its Acts, its Acc and the integer dot of the decoded block
-    with its values ``first .. first + 32`` (the block is decoded once for all rows)."""
-    for x, acc in zip(xs, accs, strict=True):
-        yield x, acc, dot(x.values(first))
+def acc_u8s8(b: ir.IRBuilder, acc: ir.Value, u: ir.Value, s: ir.Value) -> ir.Value:
+    """acc <8 x i32> + :func:`dot_u8s8` (one ``vpdpbusd`` with VNNI)."""
+    if _vnni():
+        args = [acc, b.bitcast(u, vec(I32, 8)), b.bitcast(s, vec(I32, 8))]
+        return _x86(b, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), args)
+    return b.add(acc, dot_u8s8(b, u, s))
 
 
-def int_q8_0(
-    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
-) -> None:
-    w = load_vec(b, byte_ptr(b, p, 2), I8, 32)
-    d = load_half(b, p)
-    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_s8s8(b, w, v)):
-        acc.add_int(isum, b.fmul(d, x.scale(0)))
+class Block32:
+    """A block of 32 weights decoded once for every activation row: its 32 weight bytes ``w``
+    (unsigned, or signed when ``signed``) and scale ``d``. The block's value against
+    activations v is ``d * (w . v + ioff * S) + mn * S'`` where S is the activations' integer
+    sum and S' their dequantized sum: ``ioff`` is the format's integer offset (Q4_0: -8; 0 if
+    none), ``mn`` its float minimum (Q4_1, Q5_1) or None."""
+
+    def __init__(
+        self,
+        w: ir.Value,
+        d: ir.Value,
+        ioff: int = 0,
+        mn: ir.Value | None = None,
+        signed: bool = False,
+    ) -> None:
+        self.w, self.d, self.ioff, self.mn, self.signed = w, d, ioff, mn, signed
+
+    def acc(self, b: ir.IRBuilder, acc: ir.Value, w: ir.Value, v: ir.Value) -> ir.Value:
+        """acc + the integer dot of weight bytes ``w`` (this block's kind) with ``v``."""
+        return b.add(acc, dot_s8s8(b, w, v)) if self.signed else acc_u8s8(b, acc, w, v)
 
 
-def int_int8(
-    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
-) -> None:
-    w = load_vec(b, p, I8, 32)
-    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_s8s8(b, w, v)):
-        acc.add_int(isum, b.fmul(scale, x.scale(0)))
+def _signed(b: ir.IRBuilder, w: ir.Value, d: ir.Value) -> Block32:
+    """Signed weight bytes. With VNNI, whose ``vpdpbusd`` does not saturate, as unsigned
+    w + 128 with an offset of -128 (one instruction per row; the offset is one per four
+    blocks); elsewhere |w| times the activations carrying w's sign (``vpmaddubsw`` would
+    saturate on w + 128)."""
+    if _vnni():
+        return Block32(b.xor(w, const_vec(I8, 32, -128)), d, -128)  # w + 128, unsigned
+    return Block32(w, d, signed=True)
 
 
-def int_q4_0(
-    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
-) -> None:
-    d = load_half(b, p)
-    u = _u32(b, *_nibbles(b, byte_ptr(b, p, 2), 16))
-    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_u8s8(b, u, v)):
-        acc.add_int(isum, b.fmul(d, x.scale(0)))
-        acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -8.0)), x.sum32(0)))
+def dec_q8_0(b: ir.IRBuilder, p: ir.Value, scale: ir.Value) -> Block32:
+    return _signed(b, load_vec(b, byte_ptr(b, p, 2), I8, 32), load_half(b, p))
 
 
-def int_q4_1(
-    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
-) -> None:
+def dec_int8(b: ir.IRBuilder, p: ir.Value, scale: ir.Value) -> Block32:
+    return _signed(b, load_vec(b, p, I8, 32), scale)
+
+
+def dec_q4_0(b: ir.IRBuilder, p: ir.Value, scale: ir.Value) -> Block32:
+    return Block32(_u32(b, *_nibbles(b, byte_ptr(b, p, 2), 16)), load_half(b, p), -8)
+
+
+def dec_q4_1(b: ir.IRBuilder, p: ir.Value, scale: ir.Value) -> Block32:
     u = _u32(b, *_nibbles(b, byte_ptr(b, p, 4), 16))
-    d, mn = load_half(b, p), load_half(b, byte_ptr(b, p, 2))
-    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_u8s8(b, u, v)):
-        acc.add_int(isum, b.fmul(d, x.scale(0)))
-        acc.add(b.fmul(mn, x.sum32(0)))
+    return Block32(u, load_half(b, p), 0, load_half(b, byte_ptr(b, p, 2)))
 
 
 def _q5_u(b: ir.IRBuilder, qs: ir.Value, qh_ptr: ir.Value) -> ir.Value:
@@ -253,24 +255,115 @@ def _q5_u(b: ir.IRBuilder, qs: ir.Value, qh_ptr: ir.Value) -> ir.Value:
     return _u32(b, b.or_(lo, _high_bits(b, qh, 0, 16)), b.or_(hi, _high_bits(b, qh, 16, 16)))
 
 
-def int_q5_0(
-    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
-) -> None:
-    d = load_half(b, p)
-    u = _q5_u(b, byte_ptr(b, p, 6), byte_ptr(b, p, 2))
-    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_u8s8(b, u, v)):
-        acc.add_int(isum, b.fmul(d, x.scale(0)))
-        acc.add(b.fmul(b.fmul(d, ir.Constant(F32, -16.0)), x.sum32(0)))
+def dec_q5_0(b: ir.IRBuilder, p: ir.Value, scale: ir.Value) -> Block32:
+    return Block32(_q5_u(b, byte_ptr(b, p, 6), byte_ptr(b, p, 2)), load_half(b, p), -16)
 
 
-def int_q5_1(
-    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
-) -> None:
+def dec_q5_1(b: ir.IRBuilder, p: ir.Value, scale: ir.Value) -> Block32:
     u = _q5_u(b, byte_ptr(b, p, 8), byte_ptr(b, p, 4))
-    d, mn = load_half(b, p), load_half(b, byte_ptr(b, p, 2))
-    for x, acc, isum in _each(xs, accs, 0, lambda v: dot_u8s8(b, u, v)):
-        acc.add_int(isum, b.fmul(d, x.scale(0)))
-        acc.add(b.fmul(mn, x.sum32(0)))
+    return Block32(u, load_half(b, p), 0, load_half(b, byte_ptr(b, p, 2)))
+
+
+Decoder = Callable[[ir.IRBuilder, ir.Value, ir.Value], Block32]
+ZERO8 = ir.Constant(vec(I32, 8), [0] * 8)
+
+
+def single(dec: Decoder) -> IntEmitter:
+    """One block of 32 against every activation row (the blocks past the last whole group)."""
+
+    def emit(
+        b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
+    ) -> None:
+        blk = dec(b, p, scale)
+        for x, acc in zip(xs, accs, strict=True):
+            init = ZERO8
+            if blk.ioff:  # into lane 0: the lanes are summed at the end
+                off = b.mul(x.isum32(0), ir.Constant(I32, blk.ioff))
+                init = b.insert_element(ZERO8, off, ir.Constant(I32, 0))
+            acc.add_int(blk.acc(b, init, blk.w, x.values(0)), b.fmul(blk.d, x.scale(0)))
+            if blk.mn is not None:
+                sx = b.fmul(x.scale(0), b.sitofp(x.isum32(0), F32))
+                acc.add(b.fmul(blk.mn, sx))
+
+    return emit
+
+
+GROUP = 4  # blocks of 32 per step of the grouped emitters
+
+
+def interleave(b: ir.IRBuilder, ws: Sequence[ir.Value]) -> list[ir.Value]:
+    """Four blocks' 32 bytes -> four <32 x i8> chunks: chunk c holds 4-byte groups 2c and
+    2c + 1 of each block, as lanes [b0, b1, b2, b3, b0, b1, b2, b3] (the activations are
+    stored in this order by ``quantize_acts``). A ``vpdpbusd`` of chunks then sums block j
+    into lanes j and j + 4, so four blocks need one accumulator and no horizontal adds."""
+    w32 = [b.bitcast(w, vec(I32, 8)) for w in ws]
+    out = []
+    for c in range(4):
+        lo, hi = 2 * c, 2 * c + 1
+        ab = b.shuffle_vector(w32[0], w32[1], ir.Constant(vec(I32, 4), [lo, 8 + lo, hi, 8 + hi]))
+        cd = b.shuffle_vector(w32[2], w32[3], ir.Constant(vec(I32, 4), [lo, 8 + lo, hi, 8 + hi]))
+        chunk = b.shuffle_vector(ab, cd, ir.Constant(vec(I32, 8), [0, 1, 4, 5, 2, 3, 6, 7]))
+        out.append(b.bitcast(chunk, vec(I8, 32)))
+    return out
+
+
+def _twice(b: ir.IRBuilder, v4: ir.Value) -> ir.Value:
+    """<4 x T> -> <8 x T> [v0, v1, v2, v3, v0, v1, v2, v3]."""
+    return b.shuffle_vector(v4, v4, ir.Constant(vec(I32, 8), [0, 1, 2, 3] * 2))
+
+
+def grouped(dec: Decoder) -> GroupEmitter:
+    """:data:`GROUP` blocks of 32 against every activation row, their scales applied together:
+    with the weights and activations interleaved (:func:`interleave`), four ``vpdpbusd`` leave
+    block j's integer sum in lanes j and j + 4 of one vector, which starts from the blocks'
+    integer offsets, is converted once and multiplied by the four (weight x activation)
+    scales in one ``fma`` — one block at a time costs a zeroing, a conversion, a scalar
+    product, a broadcast and an ``fma`` per block and row. Minimums go four at a time too."""
+
+    def emit(
+        b: ir.IRBuilder,
+        ps: Sequence[ir.Value],
+        xs: Sequence[Acts],
+        accs: Sequence[Acc],
+        scale: ir.Value,
+    ) -> None:
+        blks = [dec(b, p, scale) for p in ps]
+        chunks = interleave(b, [blk.w for blk in blks])
+        ws = ir.Constant(vec(F32, 4), ir.Undefined)
+        for j, blk in enumerate(blks):
+            ws = b.insert_element(ws, blk.d, ir.Constant(I32, j))
+        ws8 = _twice(b, ws)
+        mins8 = None
+        if blks[0].mn is not None:
+            mins8 = ir.Constant(vec(F32, 8), [0.0] * 8)
+            for j, blk in enumerate(blks):
+                mins8 = b.insert_element(mins8, blk.mn, ir.Constant(I32, j))
+        ioff = blks[0].ioff
+        zero4 = ir.Constant(vec(I32, 4), [0] * 4)
+        for x, acc in zip(xs, accs, strict=True):
+            sums8 = None
+            if ioff or mins8 is not None:  # the four blocks' integer sums, then four zeros
+                s4 = load_vec(b, x.s, I32, 4)
+                sums8 = b.shuffle_vector(s4, zero4, ir.Constant(vec(I32, 8), list(range(8))))
+            h = ZERO8 if not ioff else b.mul(sums8, const_vec(I32, 8, ioff))
+            for c, chunk in enumerate(chunks):
+                h = blks[0].acc(b, h, chunk, x.values(32 * c))
+            xd8 = _twice(b, load_vec(b, x.d, F32, 4))
+            v = fma(b, b.sitofp(h, vec(F32, 8)), b.fmul(ws8, xd8), b.load(acc.v))
+            if mins8 is not None:
+                assert sums8 is not None
+                v = fma(b, b.fmul(mins8, xd8), b.sitofp(sums8, vec(F32, 8)), v)
+            b.store(v, acc.v)
+
+    return emit
+
+
+def pairs_i16(b: ir.IRBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
+    """<16 x i16> a, c -> <8 x i32>: lane j = a[2j] * c[2j] + a[2j + 1] * c[2j + 1]
+    (``vpmaddwd``)."""
+    if _avx2():
+        return _x86(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [a, c])
+    return _pairs(b, b.mul(b.sext(a, vec(I32, 16)), b.sext(c, vec(I32, 16))))
 
 
 def _int_k(
@@ -278,15 +371,17 @@ def _int_k(
 ) -> None:
     """Q4_K/Q5_K super-block against per-256 activations, in integers per row pair: the
     values' products times their sub-block's 6-bit scale (``vpmaddubsw`` then ``vpdpwssd``),
-    and the activations times the sub-block's minimum (``vpdpbusd``), each summed over the
-    super-block in 8 int32 lanes (exact: at most ~8 M), then converted and scaled once."""
+    summed over the super-block in 8 int32 lanes (exact: at most ~8 M); the minimums times
+    the activations' 16-value sums (one ``vpmaddwd`` per row); then converted and scaled
+    once."""
     d = load_half(b, p)
     dmin = load_half(b, byte_ptr(b, p, 2))
     s = byte_ptr(b, p, 4)
     qh = load_vec(b, byte_ptr(b, p, 16), I8, 32) if five else None
     qs = 48 if five else 16
     zero = ir.Constant(vec(I32, 8), [0] * 8)
-    sums, mins = [zero for _ in xs], [zero for _ in xs]
+    sums = [zero for _ in xs]
+    mins: ir.Value = zero
     for pair in range(4):
         lo, hi = _nibbles(b, byte_ptr(b, p, qs + 32 * pair), 32)
         for half, u in ((0, lo), (1, hi)):
@@ -294,16 +389,16 @@ def _int_k(
             if qh is not None:
                 top = b.and_(b.lshr(qh, const_vec(I8, 32, j)), const_vec(I8, 32, 1))
                 u = b.or_(u, b.shl(top, const_vec(I8, 32, 4)))
-            sc, mn = _k4_scale_min(b, s, j)
+            sc, mn = _k4_scale_min(b, s, j)  # i32 < 64
+            # lanes 2j, 2j + 1 of <16 x i16>: sub-block j's two 16-value sums take its minimum
+            mins = b.insert_element(mins, b.mul(mn, ir.Constant(I32, 0x10001)), ir.Constant(I32, j))
             sc16 = splat(b, b.trunc(sc, I16), 16)
-            mn8 = splat(b, b.trunc(mn, I8), 32)
             for i, x in enumerate(xs):
-                v = x.values(32 * j)
-                sums[i] = acc_pairs(b, sums[i], pairs_u8s8(b, u, v), sc16)
-                mins[i] = acc_u8s8(b, mins[i], mn8, v)
-    for x, acc, isum, imin in zip(xs, accs, sums, mins, strict=True):
+                sums[i] = acc_pairs(b, sums[i], pairs_u8s8(b, u, x.values(32 * j)), sc16)
+    for x, acc, isum in zip(xs, accs, sums, strict=True):
         xd = x.scale(0)
         acc.add_int(isum, b.fmul(d, xd))
+        imin = pairs_i16(b, x.isums(), b.bitcast(mins, vec(I16, 16)))
         acc.add_int(imin, b.fneg(b.fmul(dmin, xd)))
 
 
@@ -322,13 +417,15 @@ def int_q5_k(
 def int_q6_k(
     b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
 ) -> None:
-    """Q6_K super-block against per-256 activations: the signed values (q - 32, so no offset
-    term) times the activations, pairs times their 16-value block's int8 scale, summed over
-    the super-block in int32 lanes, then converted and scaled once per row pair."""
+    """Q6_K super-block against per-256 activations: the unsigned values (q + 32, 0..63)
+    times the activations, pairs times their 16-value block's int8 scale, summed over the
+    super-block in int32 lanes; minus 32 x (scales times the activations' 16-value sums, one
+    ``vpmaddwd``); then converted and scaled once per row pair."""
     d = load_half(b, byte_ptr(b, p, 208))
     sc = byte_ptr(b, p, 192)
     three, fifteen = const_vec(I8, 32, 3), const_vec(I8, 32, 15)
     sums = [ir.Constant(vec(I32, 8), [0] * 8) for _ in xs]
+    scales = b.sext(load_vec(b, sc, I8, 16), vec(I16, 16))  # the 16 block scales
     for h in range(2):
         ql0 = load_vec(b, byte_ptr(b, p, 64 * h), I8, 32)
         ql1 = load_vec(b, byte_ptr(b, p, 64 * h + 32), I8, 32)
@@ -338,31 +435,34 @@ def int_q6_k(
             low = b.and_(low, fifteen) if c < 2 else b.lshr(low, const_vec(I8, 32, 4))
             high = b.and_(b.lshr(qh, const_vec(I8, 32, 2 * c)), three)
             u = b.or_(low, b.shl(high, const_vec(I8, 32, 4)))  # q + 32, 0..63
-            q = b.sub(u, const_vec(I8, 32, 32))  # -32..31
             first = 128 * h + 32 * c
-            sa, sb = (b.load(b.gep(sc, [ir.Constant(I64, 8 * h + 2 * c + i)])) for i in range(2))
-            s16 = b.shuffle_vector(
-                splat(b, b.sext(sa, I16), 8),
-                splat(b, b.sext(sb, I16), 8),
-                ir.Constant(vec(I32, 16), list(range(16))),
-            )
+            k = 8 * h + 2 * c  # the first of this 32's two 16-value blocks
+            s16 = b.shuffle_vector(scales, scales, ir.Constant(vec(I32, 16), [k] * 8 + [k + 1] * 8))
             for i, x in enumerate(xs):
-                sums[i] = acc_pairs(b, sums[i], pairs_s8s8(b, q, x.values(first)), s16)
+                sums[i] = acc_pairs(b, sums[i], pairs_u8s8(b, u, x.values(first)), s16)
     for x, acc, isum in zip(xs, accs, sums, strict=True):
-        acc.add_int(isum, b.fmul(d, x.scale(0)))
+        offset = b.shl(pairs_i16(b, x.isums(), scales), const_vec(I32, 8, 5))  # 32 x ...
+        acc.add_int(b.sub(isum, offset), b.fmul(d, x.scale(0)))
 
 
-IntEmitter = Callable[[ir.IRBuilder, ir.Value, Sequence[Acts], Sequence[Acc], ir.Value], None]
-
-# by format code (engine.kernels._ir.CODES)
+# by format code (engine.kernels._ir.CODES); None: the format has no grouped emitter
+DECODERS: dict[int, Decoder] = {
+    0: dec_q8_0,
+    1: dec_q4_0,
+    2: dec_q4_1,
+    5: dec_int8,
+    6: dec_q5_0,
+    7: dec_q5_1,
+}
 INT_FORMATS: tuple[IntEmitter, ...] = (
-    int_q8_0,
-    int_q4_0,
-    int_q4_1,
+    single(dec_q8_0),
+    single(dec_q4_0),
+    single(dec_q4_1),
     int_q4_k,
     int_q6_k,
-    int_int8,
-    int_q5_0,
-    int_q5_1,
+    single(dec_int8),
+    single(dec_q5_0),
+    single(dec_q5_1),
     int_q5_k,
 )
+GROUPED: dict[int, GroupEmitter] = {code: grouped(dec) for code, dec in DECODERS.items()}
