@@ -1,19 +1,25 @@
 """Integer dot products of quantized weight blocks with int8 activations (LLVM IR emitters).
 
 The activations of a row are quantized per block of 32 (int8 values, a float32 scale, and the
-dequantized sum of every 16 values, for the formats' offsets and minimums), or per block of 256
-for the K-quants (:data:`K_CODES`), the way llama.cpp multiplies its blocks. A block's 32
-products are then one instruction where the host has AVX512-VNNI or AVX-VNNI (``vpdpbusd``)
-and two on AVX2 (``vpmaddubsw``: unsigned weight bytes times signed activation bytes, pairs
-summed to 16 bits; ``vpmaddwd``: pairs summed to 32 bits), about a quarter of the work of
-widening every weight to float. Where the host has no AVX2 the same sums are written in
-portable IR (exact integers every way, so all give the same bits).
+integer sum of the block, for the formats' offsets and minimums), or per block of 256 for the
+K-quants (:data:`K_CODES`: integer sums of every 16), the way llama.cpp multiplies its blocks.
+32 byte products are then one instruction where the host has AVX512-VNNI or AVX-VNNI
+(``vpdpbusd``) and two on AVX2 (``vpmaddubsw``: unsigned weight bytes times signed activation
+bytes, pairs summed to 16 bits; ``vpmaddwd``: pairs summed to 32 bits), about a quarter of the
+work of widening every weight to float. Where the host has no AVX2 the same sums are written
+in portable IR (exact integers every way, so all give the same bits).
+
+The per-32 formats go four blocks at a time with weights and activations interleaved in 4-byte
+groups (:func:`interleave`), so one accumulator's lanes hold the four blocks' dots: their
+scales are applied lane by lane, with no horizontal adds and one conversion to float per four
+blocks. (The same 8-way interleave for a K-quant super-block's sub-blocks measured slower on a
+Zen 4 than the scale-in-the-pair-sums form kept below.)
 
 Each emitter decodes a weight block once and adds its contribution to several activation rows'
 accumulators (one ``Acc`` per row): ``acc_v`` (8 floats, integer partial sums times the product
-of the weight and activation scales) and ``acc_s`` (a float, offset/minimum terms). Integer
-sums are exact and every float operation has a fixed order, so the result of a row depends only
-on that row (batch invariance).
+of the weight and activation scales) and ``acc_s`` (a float, offset/minimum terms of the blocks
+outside whole groups). Integer sums are exact and every float operation has a fixed order, so
+the result of a row depends only on that row (batch invariance).
 """
 
 from __future__ import annotations
