@@ -1,12 +1,13 @@
 """``veil-trunk serve --ray``: the trunk server's socket thread in front of Ray replicas.
 
 :class:`GatewayServer` *is* :class:`remote.server.TrunkServer` — the CURVE ROUTER, allow-list,
-protocol validation, ownership (routing id + CURVE key), step order, idle reaping and limits are
-the same code — with three hooks changed: the compute behind it is a :class:`ReplicaRouter`
-instead of a local ``TrunkWorker``, a new session is admitted onto a chosen replica
-(``placement.py``), and a session's cache may grow only within its replica's budget. The gateway
-loads no layers; it reads the model's config and a sliver of each trunk tensor (for the
-fingerprints clients check), so the model files must be on the gateway's machine too.
+protocol validation, ownership (sessions belong to CURVE keys), step order, idle reaping and
+limits are the same code — with three hooks changed: the compute behind it is a
+:class:`ReplicaRouter` instead of a local ``TrunkWorker``, a new session is admitted onto a
+chosen replica (``placement.py``), and a session's cache may grow only within its replica's
+budget. The gateway loads no layers; it reads the model's config and a sliver of each trunk
+tensor (for the fingerprints clients check), so the model files must be on the gateway's
+machine too.
 
 ``--max-sessions`` and ``--max-cache-gb`` are per replica (a replica is one GPU, or G GPUs); the
 gateway's total is that times the replicas that are up, and ``busy`` means no ready replica can
