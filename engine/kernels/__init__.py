@@ -342,7 +342,7 @@ def int8_activations() -> bool:
 def _quant_cache_dir() -> str:
     """numba's cache for the quantized kernels, keyed by the source that generates their
     machine code (the IR emitters live in another file than the cached functions, and numba
-    checks only the latter's timestamp)."""
+    checks only the latter's timestamp) and by the CPU features hidden from the emitters."""
     here = Path(__file__).parent
     h = hashlib.sha256()
     for name in ("_ir.py", "_ir_int.py", "_quant_mm.py", "_int_mm.py", "_fused_layer.py"):
@@ -354,6 +354,9 @@ def _quant_cache_dir() -> str:
             get_code = getattr(spec.loader if spec is not None else None, "get_code", None)
             code = get_code(mod) if get_code is not None else None
             h.update(marshal.dumps(code) if code is not None else name.encode())
+    from engine.kernels import cpu
+
+    h.update(",".join(sorted(cpu.features_off())).encode())  # the emitters choose by feature
     return os.path.join(_cache_dir(), "quant-" + h.hexdigest()[:12])
 
 

@@ -4,11 +4,16 @@ Features come from the LLVM host description numba compiles for (the same code g
 builds the kernels, so "has avx512bf16" means the kernels could use it), with /proc/cpuinfo as
 the fallback. Nothing here runs a benchmark: choices are by feature, and the measurements that
 justify them are in docs/performance.md.
+
+``VEIL_CPU_FEATURES_OFF`` (comma-separated LLVM names, e.g. ``avx512vnni,avxvnni``) hides
+features from these choices: to test the code other CPUs run, or to step around a feature
+that misbehaves on one machine. The quantized kernels' cache is keyed by what is left.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -31,9 +36,20 @@ _CPUINFO = {
 }
 
 
+def features_off() -> frozenset[str]:
+    """Features hidden by ``VEIL_CPU_FEATURES_OFF``."""
+    raw = os.environ.get("VEIL_CPU_FEATURES_OFF", "")
+    return frozenset(f.strip().lower() for f in raw.split(",") if f.strip())
+
+
 @functools.cache
 def features() -> frozenset[str]:
-    """LLVM names of the host CPU's features (``avx2``, ``avx512bf16``, ``amx-bf16``, ...)."""
+    """LLVM names of the host CPU's features (``avx2``, ``avx512bf16``, ``amx-bf16``, ...),
+    less those hidden by ``VEIL_CPU_FEATURES_OFF``."""
+    return _host_features() - features_off()
+
+
+def _host_features() -> frozenset[str]:
     try:
         import llvmlite.binding as llvm
 

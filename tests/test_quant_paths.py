@@ -1,0 +1,47 @@
+"""The int8-activation kernels' other instruction paths, checked on any machine.
+
+The kernels pick VNNI, AVX2 or portable IR by CPU feature, so a CI machine with VNNI would
+never run the code a CPU without it runs. Here the product test runs again in a child process
+with the faster features hidden (``VEIL_CPU_FEATURES_OFF``) and its own kernel cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CHILD = """
+import sys
+import pytest
+from engine.kernels import _ir_int
+assert not _ir_int._vnni(), "VNNI should be hidden"
+assert {avx2_allowed} or not _ir_int._avx2(), "AVX2 should be hidden"
+args = ["-q", "-p", "no:cacheprovider", "tests/test_quant.py", "-k", "int8_activation"]
+sys.exit(pytest.main(args))
+"""
+
+
+@pytest.mark.parametrize(
+    ("off", "want_avx2"),
+    [("avx512vnni,avxvnni", True), ("avx2,avx512vnni,avxvnni", False)],
+    ids=["avx2-path", "portable-path"],
+)
+def test_int8_kernels_without_the_faster_features(
+    off: str, want_avx2: bool, tmp_path: Path
+) -> None:
+    env = {**os.environ, "VEIL_CPU_FEATURES_OFF": off}
+    env["HOME"] = env["XDG_CACHE_HOME"] = str(tmp_path)  # a kernel cache of its own
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD.format(avx2_allowed=want_avx2)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "9 passed" in r.stdout, r.stdout[-3000:]
