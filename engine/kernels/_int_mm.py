@@ -247,7 +247,7 @@ def _product(fmt: int, xq: Any, xd: Any, xs: Any, w: Any, scale: Any, y: Any, th
 @njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
 def _run(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
     m, k = x.shape
-    xq = np.empty((m, k + 64), dtype=np.int8)[:, :k]
+    xq = np.empty((m, k), dtype=np.int8)
     xd = np.empty((m, k // 32), dtype=np.float32)
     xs = np.empty((m, k // 32), dtype=np.int32)
     quantize_acts(x, xq, xd, xs)
@@ -257,7 +257,7 @@ def _run(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
 @njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
 def _run_k(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
     m, k = x.shape
-    xq = np.empty((m, k + 64), dtype=np.int8)[:, :k]
+    xq = np.empty((m, k), dtype=np.int8)
     xd = np.empty((m, k // 256), dtype=np.float32)
     xs = np.empty((m, k // 16), dtype=np.int16)
     quantize_acts_k(x, xq, xd, xs)
