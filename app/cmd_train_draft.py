@@ -42,6 +42,13 @@ def add_parser(sub: Any) -> None:
         metavar="S",
         help="optimizer steps of 2048 tokens (default: 10 passes over the data)",
     )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=0.0,
+        metavar="M",
+        help="train for at most about M minutes (fewer steps; the data is made first)",
+    )
     p.add_argument("--resume", action="store_true", help="continue the last run for this model")
     p.add_argument(
         "--text", default=None, metavar="DIR", help="also read the .txt/.md files under DIR"
@@ -75,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         raise TrainDraftError("--tokens must be at least 1")
     if args.steps < 0:
         raise TrainDraftError("--steps must be >= 0")
+    if not args.minutes >= 0:
+        raise TrainDraftError("--minutes must be >= 0")
     if args.vocab < 0:
         raise TrainDraftError("--vocab must be >= 0")
     if args.threads is not None and args.threads < 1:
@@ -108,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         local_layers=args.local_layers,
         vocab_size=args.vocab,
         device=args.device,
+        minutes=args.minutes,
         work_dir=Path(args.work_dir) if args.work_dir else None,
     )
     bar = _Bar()

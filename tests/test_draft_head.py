@@ -167,6 +167,40 @@ def test_training_learns_and_the_head_reloads(trained: dict[str, object]) -> Non
         assert torch.equal(getattr(head.net, name), getattr(twice.net, name))
 
 
+def test_a_time_budget_ends_training_early(
+    models: dict[str, Path], trained: dict[str, object]
+) -> None:
+    """``minutes``: the step count is fixed once the first steps are timed (here the budget is
+    spent before that, so training ends right after the probe) and the schedule's last step is
+    reported as the last one."""
+    from engine.drafts.dataset import load_samples
+    from engine.drafts.pipeline import feature_sample, load_frozen
+    from engine.drafts.train import TrainOptions, train_head
+    from engine.loading import WeightReader, load_config
+
+    folder = resolve(str(models["llama"])).folder
+    cfg = load_config(folder)
+    samples = load_samples(Path(str(trained["path"])).parent / "work")
+    frozen = load_frozen(WeightReader(folder), cfg, None, "cpu")
+    done: list[tuple[float, float]] = []
+
+    def report(stage: str, step: float, total: float, info: dict[str, float]) -> None:
+        done.append((step, total))
+
+    def run(minutes: float) -> int:
+        net = DraftHeadNet(HeadShape.for_model(cfg, 32))
+        net.set_feature_stats(feature_sample(samples))
+        net.reset_parameters(torch.Generator().manual_seed(1))
+        opts = TrainOptions(steps=200, batch_tokens=64, minutes=minutes)
+        return train_head(net, frozen, samples, rope_inv_freq(cfg), opts, report=report).steps
+
+    # warm-up is 21 steps (a tenth of 200, plus one); the probe runs after them
+    assert run(1e-6) == 22
+    assert done[-1] == (22, 22)
+    done.clear()
+    assert run(0.0) == 200 and done[-1] == (200, 200)
+
+
 def test_a_head_for_another_model_is_refused(
     models: dict[str, Path], trained: dict[str, object]
 ) -> None:
@@ -460,6 +494,8 @@ def test_generate_uses_a_head_file_and_reports_drafting(
         (["--steps", "-1"], "--steps must be >= 0"),
         (["--text", "/nonexistent/folder"], "is not a folder"),
         (["--device", "tpu"], "unknown device"),
+        (["--minutes", "-1"], "--minutes must be >= 0"),
+        (["--minutes", "nan"], "--minutes must be >= 0"),
     ],
 )
 def test_train_draft_reports_bad_input_in_one_line(

@@ -76,6 +76,7 @@ def test_shipped_head_accepts_on_fresh_self_prompts() -> None:
     frozen = load_frozen(client.reader, client.config, head.vocab, "cpu")
     acc = depth_acceptance(head.net, frozen, samples, rope_inv_freq(client.config), depth=3)
     assert acc["positions"] > 300
-    # the shipped head measured 0.51 and 0.89 here (these prompts are fixed: seed 4242)
-    assert acc["conditional"][0] > 0.45, acc
-    assert acc["mean_chain"] > 0.8, acc
+    # the shipped head measured 0.65 and 1.28 here (these prompts are fixed: seed 4242; the
+    # head it replaced, trained on 7x less data, 0.51 and 0.89)
+    assert acc["conditional"][0] > 0.58, acc
+    assert acc["mean_chain"] > 1.1, acc

@@ -54,7 +54,8 @@ class DraftTrainOptions:
     intermediate: int | None = None  # head MLP width (default: half the model's)
     device: str | None = None  # None: cuda when available, else cpu
     work_dir: Path | None = None
-    gen_batch: int = 64
+    gen_batch: int = 0  # rows generated together; 0: 64 on a CPU, 384 on a GPU
+    minutes: float = 0.0  # > 0: training stops after about this long (fewer steps)
     reply_tokens: int = 256
     heldout: float = 0.04  # share of samples kept aside for the acceptance report
     seed: int = 0
@@ -122,7 +123,7 @@ def train_draft(
         model = BatchModel(resolved, taps, device=device)
         data = DataOptions(
             tokens=opts.tokens,
-            batch=opts.gen_batch,
+            batch=opts.gen_batch or (384 if device.startswith("cuda") else 64),
             reply_tokens=opts.reply_tokens,
             text_dir=opts.text_dir,
             seed=opts.seed,
@@ -145,7 +146,7 @@ def train_draft(
     net.reset_parameters(torch.Generator().manual_seed(opts.seed))
     net = net.to(device)
     inv_freq = rope_inv_freq(cfg).to(device)
-    topts = TrainOptions(steps=opts.steps, seed=opts.seed)
+    topts = TrainOptions(steps=opts.steps, seed=opts.seed, minutes=opts.minutes)
     ckpt_path = work / "checkpoint.pt"
     state = None
     if opts.resume and ckpt_path.is_file():

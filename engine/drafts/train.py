@@ -48,6 +48,7 @@ class TrainOptions:
     dropout: float = 0.1  # on the fused features, while training
     seed: int = 0
     max_len: int = 512  # longer samples are cut (their tail is dropped)
+    minutes: float = 0.0  # > 0: fewer steps if the run would take longer (measured as it goes)
 
 
 @dataclass
@@ -292,6 +293,10 @@ def train_head(
         spent_cpu = float(state.get("cpu_s", 0.0))
 
     warmup = min(opts.warmup, steps // 10 + 1)
+    budget_s = 60.0 * opts.minutes
+    # a time budget fixes the step count once the first steps have been timed; the learning-rate
+    # schedule then runs its whole course over the steps that fit
+    probe_at = done + max(20, warmup)
 
     def lr_at(step: int) -> float:
         if step < warmup:
@@ -313,7 +318,13 @@ def train_head(
         epoch += 1
     queue = queue[done:]
     net.train()
-    for step in range(done, steps):
+    step = done
+    while step < steps:
+        if budget_s > 0 and step == probe_at:
+            per_step = (time.perf_counter() - t_wall) / max(step - done, 1)
+            left = budget_s - spent_wall - (time.perf_counter() - t_wall)
+            steps = max(step + 1, min(steps, step + int(left / per_step)))
+            result.steps = steps
         if not queue:
             queue = batches(samples, opts.batch_tokens, random.Random(opts.seed + epoch))
             epoch += 1
@@ -350,6 +361,7 @@ def train_head(
             }
             checkpoint(net, {"optimizer": opt.state_dict(), "step": step + 1, **spent})
             last_ckpt = time.perf_counter()
+        step += 1
     net.eval()
     result.wall_s = spent_wall + time.perf_counter() - t_wall
     result.cpu_s = spent_cpu + cpu_seconds() - t_cpu
