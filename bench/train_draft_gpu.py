@@ -37,7 +37,12 @@ def main() -> int:
     import torch
 
     from engine.drafts.dataset import DataOptions, make_data
-    from engine.drafts.pipeline import DraftTrainOptions, default_device, train_draft
+    from engine.drafts.pipeline import (
+        DraftTrainOptions,
+        default_device,
+        default_gen_batch,
+        train_draft,
+    )
     from engine.drafts.selfgen import BatchModel
     from engine.loading import load_config, resolve
     from engine.split import SplitPlan
@@ -52,7 +57,7 @@ def main() -> int:
     plan = SplitPlan.symmetric(cfg.n_layers, args.local_layers)
     taps = (plan.head, plan.n_layers - plan.tail, plan.n_layers)
     model = BatchModel(resolved, taps, device=device)
-    gen_batch = args.gen_batch or (384 if device.startswith("cuda") else 64)
+    gen_batch = args.gen_batch or default_gen_batch(device)
     print(f"device {device} ({torch.cuda.get_device_name() if device.startswith('cuda') else ''})")
     print(f"model loaded in {time.perf_counter() - t0:.1f} s; generating {gen_batch} rows at once")
 

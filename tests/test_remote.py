@@ -180,7 +180,7 @@ def test_a_session_follows_its_key_to_a_new_connection(
     """A session belongs to the key that opened it, not to one connection: a message about it
     from another connection of that key (a client that reconnected after a network drop) moves
     its replies there, and the next step from the first connection moves them back. (Another
-    key is refused: tests/test_hardening.py.)"""
+    key is refused: tests/test_server_access.py.)"""
     want = tokens(local_runner(client))
     with server.connect(client, wire_dtype="float32") as trunk:
         runner = SplitRunner(client, trunk)
@@ -548,7 +548,7 @@ def test_cli_key_management(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["keygen", "--keys", str(d)]) == 0
     assert (d / "server.key_secret").stat().st_mode & 0o777 == 0o600
     assert main(["keygen", "--keys", str(d)]) == 2  # no silent overwrite
-    pub = PLAIN_KEYS[1][0]  # fixed: a random key starts with '-' once in 85 (see test_hardening)
+    pub = PLAIN_KEYS[1][0]  # fixed: a random key starts with '-' once in 85 (test_server_access)
     assert main(["allow", pub, "--keys", str(d), "--name", "alice"]) == 0
     assert pub in (d / "allowed_clients.txt").read_text()
     assert main(["allow", "too-short", "--keys", str(d)]) == 2

@@ -65,6 +65,11 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def default_gen_batch(device: str) -> int:
+    """Replies generated together: a GPU fills with many rows, a CPU is busy with a few."""
+    return 384 if device.startswith("cuda") else 64
+
+
 def split_heldout(samples: list[Sample], share: float) -> tuple[list[Sample], list[Sample]]:
     """A fixed, content-keyed share of the replies for measuring, the rest for training."""
 
@@ -123,7 +128,7 @@ def train_draft(
         model = BatchModel(resolved, taps, device=device)
         data = DataOptions(
             tokens=opts.tokens,
-            batch=opts.gen_batch or (384 if device.startswith("cuda") else 64),
+            batch=opts.gen_batch or default_gen_batch(device),
             reply_tokens=opts.reply_tokens,
             text_dir=opts.text_dir,
             seed=opts.seed,
