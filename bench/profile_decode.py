@@ -31,7 +31,7 @@ def categorize(stats: pstats.Stats) -> dict[str, float]:
     out = {"compiled": 0.0, "torch": 0.0, "python": 0.0}
     for (file, _line, func), row in stats.stats.items():  # type: ignore[attr-defined]
         tt = row[2]
-        if any(s in file for s in ("_quant_mm", "_int_mm", "_small_rows", "_fused", "veil_layer_")):
+        if any(s in file for s in ("_quant_mm", "_int_mm", "_f32_ir", "_fused", "veil_layer_")):
             out["compiled"] += tt
         elif file == "~" and ("torch" in func or "method" in func or "built-in" in func):
             out["torch"] += tt

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import kernels
 from engine.drafts import DraftTree, TreeDrafter, Verified, default_drafter
 from engine.drafts.head import DraftHead
 from engine.drafts.learned import HeadDraft
@@ -148,7 +149,10 @@ def proposal_size(recent: Sequence[int], max_nodes: int) -> int:
 
 def top_successors(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` token ids and their softmax probabilities per row of ``logits`` [B, V], without
-    materializing the whole softmax."""
+    materializing the whole softmax (one compiled pass per row where the kernels run)."""
+    fast = kernels.top_k_softmax(logits, k)
+    if fast is not None:
+        return fast
     vals, ids = logits.topk(k, dim=-1)  # [B, k]
     probs = (vals - logits.logsumexp(-1, keepdim=True)).exp()  # [B, k]
     return ids, probs

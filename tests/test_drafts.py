@@ -174,6 +174,22 @@ def test_recycling_borrows_successors_of_a_similar_token() -> None:
     assert r.children([1, 0], 1) == []  # token 0 is like nothing seen
 
 
+def test_similar_token_lookup_stays_exact_as_tokens_are_learned() -> None:
+    """The nearest known token is remembered and only newly learned tokens are compared on a
+    later query: the answer must equal a comparison against every known token each time."""
+    g = torch.Generator().manual_seed(9)
+    emb = torch.randn(40, 8, generator=g)  # [V, H]
+    r = RecyclingDraft(k=1, embeddings=emb, min_similarity=-1.0)
+    unit = torch.nn.functional.normalize(emb, dim=-1)
+    for step, tok in enumerate([3, 17, 25, 8, 31, 12, 5, 36]):
+        r.learn([tok], torch.tensor([[100 + step]]), torch.tensor([[0.5]]))
+        known = list(r.table)
+        for query in (0, 1, 2, 39):
+            got = r._similar(query)
+            best = known[int(torch.argmax(unit[known] @ unit[query]))]
+            assert got is not None and got[0] == r.table[best][0], (step, query)
+
+
 def test_recycling_hint_from_the_rejected_sibling() -> None:
     r = RecyclingDraft(k=2)
     # block: root 10 -> 11 (accepted) -> 12 (rejected: the model chose 13 after 11)

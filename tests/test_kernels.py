@@ -1,4 +1,4 @@
-"""The small-batch linear kernel: equal to torch, batch-invariant, and safe fallbacks."""
+"""The float32 row kernel: equal to torch, batch-invariant, and safe fallbacks."""
 
 from __future__ import annotations
 
@@ -33,16 +33,31 @@ def test_kernel_matches_torch(kernel_on: None, rows: int, shape: tuple[int, int]
     assert torch.allclose(y, ref, atol=2e-4 * k_in**0.5, rtol=1e-4)
 
 
-def test_kernel_is_batch_invariant(kernel_on: None) -> None:
-    """A row gets bit-identical results alone or inside any block, at any position."""
+@pytest.mark.parametrize("shape", [(300, 576), (70, 579)])
+def test_kernel_is_batch_invariant(kernel_on: None, shape: tuple[int, int]) -> None:
+    """A row gets bit-identical results alone or inside any block, at any position — across
+    the 4-row register blocks, the 16-row groups, a short last weight tile (70 = 2 x 32 + 6)
+    and an input width that is not a multiple of 16 (579: the scalar tail)."""
+    n_out, k_in = shape
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(300, 576, generator=g)
-    x = torch.randn(23, 576, generator=g)
-    alone = torch.cat([kernels.linear(x[i : i + 1], w) for i in range(23)])  # [23, 300]
-    for size in (2, 3, 4, 5, 8, 9, 13, 23):
-        for start in range(0, 23 - size + 1, 5):
+    w = torch.randn(n_out, k_in, generator=g)
+    x = torch.randn(41, k_in, generator=g)
+    alone = torch.cat([kernels.linear(x[i : i + 1], w) for i in range(41)])  # [41, N]
+    for size in (2, 3, 4, 5, 8, 9, 13, 17, 23, 36, 41):
+        for start in range(0, 41 - size + 1, 5):
             block = kernels.linear(x[start : start + size], w)
             assert torch.equal(block, alone[start : start + size]), (size, start)
+
+
+def test_the_client_and_the_batching_worker_share_one_kernel(kernel_on: None) -> None:
+    """The trunk worker's invariant product gives the client kernel's bits (one kernel)."""
+    from engine.kernels import batched
+
+    assert batched.available(), batched.status()
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(45, 200, generator=g)
+    x = torch.randn(9, 200, generator=g)
+    assert torch.equal(batched.linear(x, w), kernels.linear(x, w))
 
 
 def test_non_contiguous_input_and_threads(kernel_on: None) -> None:
@@ -142,3 +157,29 @@ def test_starting_the_kernel_keeps_torchs_thread_count() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
+
+
+def test_top_k_softmax_matches_torch(kernel_on: None) -> None:
+    """The verification's top-k successors: torch's ids and softmax probabilities; ties keep
+    the lower token id first."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(37, 5003, generator=g) * 6  # [B, V]
+    got = kernels.top_k_softmax(logits, 8)
+    assert got is not None
+    ids, probs = got
+    ref = logits.softmax(-1).topk(8, dim=-1)
+    assert torch.equal(ids, ref.indices)
+    assert torch.allclose(probs, ref.values, rtol=1e-5, atol=1e-8)
+    ties = (logits / 4).round()  # few distinct values: many ties at the top
+    ids, probs = kernels.top_k_softmax(ties, 8) or (None, None)
+    assert ids is not None and probs is not None
+    vals = ties.gather(1, ids)
+    assert torch.equal(vals, ties.topk(8, dim=-1).values)
+    for r in range(ties.shape[0]):
+        for i in range(7):
+            if vals[r, i] == vals[r, i + 1]:
+                assert ids[r, i] < ids[r, i + 1]
+    assert torch.allclose(probs, ties.softmax(-1).gather(1, ids), rtol=1e-5, atol=1e-8)
+    # where it does not apply, the caller falls back to torch
+    assert kernels.top_k_softmax(logits.double(), 8) is None
+    assert kernels.top_k_softmax(logits, 6000) is None

@@ -110,11 +110,12 @@ def test_product_equals_dequantize_then_multiply(quant_on: None, fmt: str, rows:
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_quantized_products_are_batch_invariant(quant_on: None, fmt: str) -> None:
     """A row's result is bit-identical alone (decoded in registers), in a pair, or in any bigger
-    block (decoded once into a buffer), at any position, with 1 or 2 threads."""
-    w = rand_quant(fmt, 50, 512, seed=3)
-    x = torch.randn(21, 512, generator=torch.Generator().manual_seed(4))
+    block (decoded once into a buffer; four rows at a time, then one by one), at any position,
+    with 1 or 2 threads; 1,536 inputs span two decode chunks."""
+    w = rand_quant(fmt, 50, 1536, seed=3)
+    x = torch.randn(21, 1536, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([kernels.linear(x[i : i + 1], w) for i in range(21)])
-    for size in (2, 3, 4, 7, 21):
+    for size in (2, 3, 4, 5, 7, 8, 21):
         for start in range(0, 21 - size + 1, 6):
             assert torch.equal(
                 kernels.linear(x[start : start + size], w), alone[start : start + size]

@@ -151,21 +151,26 @@ class HeadDraft:
         row_of: dict[int, int] = {}  # node -> its draft row (once expanded)
         anc_rows: list[list[int]] = []  # per draft row: rows of its ancestors and itself
 
-        def add_children(parent: int, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-            logq = logits.float().log_softmax(-1)
-            vals, idx = logq.topk(min(self.top_k, logq.shape[-1]))
+        def add_children(parents: list[int], hidden: torch.Tensor, logits: torch.Tensor) -> None:
+            """Children of ``parents`` (one row of ``hidden`` [R, H], ``logits`` [R, Vd] each):
+            the head's top-k tokens, one softmax and top-k call for all rows."""
+            logq = logits.float().log_softmax(-1)  # [R, Vd]
+            vals, idx = logq.topk(min(self.top_k, logq.shape[-1]), dim=-1)  # [R, k]
             ids = self.vocab[idx] if self.vocab is not None else idx
-            base_lp = lps[parent] if parent >= 0 else 0.0
-            d = dep[parent] + 1 if parent >= 0 else 1
-            for lv, t in zip(vals.tolist(), ids.tolist(), strict=True):
-                tok.append(int(t))
-                par.append(parent)
-                qs.append(math.exp(lv))
-                lps.append(base_lp + lv)
-                dep.append(d)
-                src.append(hidden)
+            for j, (row_v, row_t) in enumerate(zip(vals.tolist(), ids.tolist(), strict=True)):
+                parent = parents[j]
+                base_lp = lps[parent] if parent >= 0 else 0.0
+                d = dep[parent] + 1 if parent >= 0 else 1
+                h = hidden[j]
+                for lv, t in zip(row_v, row_t, strict=True):
+                    tok.append(int(t))
+                    par.append(parent)
+                    qs.append(math.exp(lv))
+                    lps.append(base_lp + lv)
+                    dep.append(d)
+                    src.append(h)
 
-        add_children(-1, hid0, self._logits(hid0[None])[0])
+        add_children([-1], hid0[None], self._logits(hid0[None]))
         level = list(range(len(tok)))
         depth = 1
         levels = 0
@@ -195,8 +200,7 @@ class HeadDraft:
             out = self.net.finish(hid, att)  # [R, H]
             logits = self._logits(out)  # [R, Vd]
             first_child = len(tok)
-            for j, n in enumerate(frontier):
-                add_children(n, out[j], logits[j])
+            add_children(frontier, out, logits)
             level = list(range(first_child, len(tok)))
             depth += 1
             levels += 1

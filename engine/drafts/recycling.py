@@ -41,6 +41,9 @@ class RecyclingDraft:
         self.min_similarity = min_similarity
         self._known: list[int] = []
         self._known_mat = torch.empty(0)  # [K, H] normalized embeddings of self._known
+        # token -> (index into _known of its most similar known token, that similarity, how
+        # many known tokens were compared): later queries compare only the tokens added since
+        self._nearest: dict[int, tuple[int, float, int]] = {}
         # successors for the next root, from the rejected sibling the model liked best
         self._hint: tuple[int, tuple[list[int], list[float]]] | None = None
 
@@ -138,10 +141,15 @@ class RecyclingDraft:
             rows = torch.nn.functional.normalize(emb[new].float(), dim=-1)  # [N, H]
             self._known_mat = torch.cat([self._known_mat.reshape(-1, rows.shape[1]), rows])
             self._known.extend(new)
-        q = torch.nn.functional.normalize(emb[token].float(), dim=-1)  # [H]
-        sims = self._known_mat @ q  # [K]
-        j = int(torch.argmax(sims))
-        if float(sims[j]) < self.min_similarity:
+        j, best, seen = self._nearest.get(token, (-1, float("-inf"), 0))
+        if seen < len(self._known):
+            q = torch.nn.functional.normalize(emb[token].float(), dim=-1)  # [H]
+            sims = self._known_mat[seen:] @ q  # [K - seen]
+            i = int(torch.argmax(sims))
+            if float(sims[i]) > best:  # ties keep the earlier known token
+                j, best = seen + i, float(sims[i])
+            self._nearest[token] = (j, best, len(self._known))
+        if best < self.min_similarity:
             return None
         ids, probs = self.table[self._known[j]]
         return ids, [p * 0.5 for p in probs]

@@ -66,9 +66,9 @@ def _cache_dir() -> str:
 def _build() -> Callable[..., None]:
     """Compile (or load from numba's on-disk cache) the kernel. Raises on any failure."""
     os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())
-    from engine.kernels._small_rows import rows_times_weight
+    from engine.kernels._f32_ir import f32_times_weight
 
-    kernel: Callable[..., None] = rows_times_weight
+    kernel: Callable[..., None] = f32_times_weight
     # smoke-check the compiled code against torch before trusting it
     g = torch.Generator().manual_seed(0)
     xs = torch.randn(5, 37, generator=g)
@@ -93,7 +93,7 @@ def available() -> bool:
                     _kernel = _build()
                 except Exception as exc:  # numba missing, no LLVM target, frozen-app quirks...
                     _reason = f"{type(exc).__name__}: {exc}"
-                    log.info("small-batch kernel unavailable, using BLAS: %s", _reason)
+                    log.info("float32 row kernel unavailable, using BLAS: %s", _reason)
                 finally:
                     # Starting numba's OpenMP pool sets the process's OpenMP thread count to the
                     # pool size, and torch reads that count: without this, a process told to use
@@ -113,7 +113,7 @@ def status() -> str:
     if not _enabled:
         return "BLAS (kernels disabled by VEIL_KERNELS=0)"
     if available():
-        return "numba small-batch kernel"
+        return "numba float32 row kernel (batch-invariant)"
     return f"BLAS ({_reason})"
 
 
@@ -228,10 +228,29 @@ def _half_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-# --- attention ------------------------------------------------------------------------------
+# --- helper kernels (attention, top-k): compiled on first use --------------------------------
 
-_att: Callable[..., None] | None = None
-_att_reason = ""
+_built: dict[str, Callable[..., None]] = {}  # helper kernels compiled so far, by name
+_failed: dict[str, str] = {}  # why a helper kernel is unavailable, by name
+
+
+def _helper(name: str, build: Callable[[], Callable[..., None]], fallback: str) -> Any:
+    """The compiled helper kernel ``name`` (built and checked on first use), or None when it
+    cannot be built here (then the caller uses ``fallback``, and the reason is logged once)."""
+    kern = _built.get(name)
+    if kern is not None or name in _failed:
+        return kern
+    with _lock:
+        if name not in _built and name not in _failed:
+            threads = torch.get_num_threads()
+            try:
+                _built[name] = build()
+            except Exception as exc:  # numba missing, no LLVM target, a failed check...
+                _failed[name] = f"{type(exc).__name__}: {exc}"
+                log.info("%s kernel unavailable, using %s: %s", name, fallback, _failed[name])
+            finally:
+                _restore_threads(threads)
+    return _built.get(name)
 
 
 def _build_attention() -> Callable[..., None]:
@@ -270,7 +289,6 @@ def attention(
     buffers ``kc``/``vc`` [nkv, capacity, hd] under ``mask`` [B, end] (None: every slot) ->
     [B, nh hd]; None where it does not apply (not CPU float32, no numba, autograd), and the
     caller uses SDPA (:mod:`engine.kernels._attention` says why it exists)."""
-    global _att, _att_reason
     if (
         not _enabled
         or q.dtype != torch.float32
@@ -282,32 +300,62 @@ def attention(
         or (mask is not None and tuple(mask.shape) != (q.shape[1], end))
     ):
         return None
-    if _att is None:
-        if _att_reason:
-            return None
-        with _lock:
-            if _att is None and not _att_reason:
-                threads = torch.get_num_threads()
-                try:
-                    _att = _build_attention()
-                except Exception as exc:  # numba missing, no LLVM target, ...
-                    _att_reason = f"{type(exc).__name__}: {exc}"
-                    log.info("row-invariant attention unavailable, using SDPA: %s", _att_reason)
-                finally:
-                    _restore_threads(threads)
-        if _att is None:
-            return None
+    kern = _helper("row-invariant attention", _build_attention, "SDPA")
+    if kern is None:
+        return None
     nh, n, hd = q.shape
     qc = q.contiguous()
     out = torch.empty(n, nh * hd, dtype=torch.float32)  # [B, nh hd]
     m = mask.contiguous() if mask is not None else torch.ones(1, 1, dtype=torch.bool)
-    kern = _att
     _run(
         lambda: kern(
             qc.numpy(), kc.numpy(), vc.numpy(), end, m.numpy(), mask is not None, out.numpy()
         )
     )
     return out
+
+
+# --- top-k successors ----------------------------------------------------------------------
+
+
+def _build_topk() -> Callable[..., None]:
+    os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())
+    from engine.kernels._topk import top_k_softmax as kernel
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 301, generator=g)
+    ids = torch.empty(3, 5, dtype=torch.long)
+    probs = torch.empty(3, 5)
+    kernel(x.numpy(), ids.numpy(), probs.numpy())
+    vals, ref = x.topk(5, dim=-1)
+    if not torch.equal(ids, ref) or not torch.allclose(
+        probs, (vals - x.logsumexp(-1, keepdim=True)).exp(), rtol=1e-5, atol=1e-7
+    ):
+        raise RuntimeError("the compiled top-k disagrees with torch")
+    return kernel  # type: ignore[no-any-return]
+
+
+def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``k`` largest logits of each row of ``logits`` [B, V] -> (token ids [B, k], their
+    softmax probabilities [B, k]) on the kernel threads; None where the kernel does not apply
+    (not CPU float32, no numba, k > V) and the caller uses torch."""
+    if (
+        not _enabled
+        or logits.dtype != torch.float32
+        or logits.device.type != "cpu"
+        or logits.dim() != 2
+        or not 0 < k <= logits.shape[1]
+        or logits.requires_grad
+    ):
+        return None
+    kern = _helper("top-k", _build_topk, "torch")
+    if kern is None:
+        return None
+    x = logits.contiguous()
+    ids = torch.empty(x.shape[0], k, dtype=torch.long)  # [B, k]
+    probs = torch.empty(x.shape[0], k, dtype=torch.float32)  # [B, k]
+    _run(lambda: kern(x.numpy(), ids.numpy(), probs.numpy()))
+    return ids, probs
 
 
 # --- quantized weights ---------------------------------------------------------------------

@@ -125,6 +125,46 @@ def _dot4(typingctx: Any, buf: Any, x: Any, m: Any, k0: Any, n: Any) -> Any:
 dot4: Any = intrinsic(_dot4)
 
 
+def _dot4x4(typingctx: Any, buf: Any, x: Any, m: Any, k0: Any, n: Any) -> Any:
+    """Rows 0-3 of ``buf`` against rows ``m .. m + 3`` of ``x`` at ``k0 .. k0 + n``: 16 dot
+    products (element 4 i + r: input row m + i, buffer row r) sharing each vector load, each
+    with exactly :func:`dot4`'s lanes and order (16-lane accumulators, the same fixed tree), so
+    an element's bits do not depend on which of the two computed it."""
+    ret = types.UniTuple(types.float32, 16)
+    sig = ret(buf, x, m, k0, n)
+
+    def codegen(context: Any, b: ir.IRBuilder, signature: Any, args: Any) -> Any:
+        ba = _array(context, b, signature.args[0], args[0])
+        xa = _array(context, b, signature.args[1], args[1])
+        m_, k0_, n_ = (_i64(b, a) for a in args[2:5])
+        xstride = b.extract_value(xa.strides, 0)
+        kbytes = b.mul(k0_, ir.Constant(I64, 4))
+        xrows = [
+            byte_ptr(b, xa.data, b.add(b.mul(b.add(m_, ir.Constant(I64, i)), xstride), kbytes))
+            for i in range(4)
+        ]
+        bstride = b.extract_value(ba.strides, 0)
+        wrows = [byte_ptr(b, ba.data, b.mul(bstride, ir.Constant(I64, r))) for r in range(4)]
+        v16 = vec(F32, LANES)
+        accs = [cgutils.alloca_once(b, v16) for _ in range(16)]
+        for a in accs:
+            b.store(ir.Constant(v16, [0.0] * LANES), a)
+        with cgutils.for_range(b, b.udiv(n_, ir.Constant(I64, LANES))) as loop:
+            off = b.mul(loop.index, ir.Constant(I64, LANES * 4))
+            xs = [load_vec(b, b.gep(p, [off]), F32, LANES) for p in xrows]
+            ws = [load_vec(b, b.gep(p, [off]), F32, LANES) for p in wrows]
+            for i in range(4):
+                for r in range(4):
+                    acc = accs[4 * i + r]
+                    b.store(fma(b, ws[r], xs[i], b.load(acc)), acc)
+        return context.make_tuple(b, ret, [reduce_lanes(b, b.load(a)) for a in accs])
+
+    return sig, codegen
+
+
+dot4x4: Any = intrinsic(_dot4x4)
+
+
 def _fused4(
     typingctx: Any, fmt: Any, w: Any, n: Any, scale: Any, b0: Any, nb: Any, x: Any, m: Any
 ) -> Any:
@@ -224,7 +264,15 @@ def _tiles(fmt: int, x: Any, w: Any, scale: Any, y: Any, first: int, stop: int) 
                 for r in range(TILE):
                     n = min(tile * TILE + r, n_rows - 1)  # a short last tile repeats a row
                     decode(fmt, w, n, k0 // per, kn // per, buf, r, scale[n])
-            for m in range(m_rows):
+            m0 = 0
+            if m_rows > FUSE_ROWS:  # four input rows at a time share the buffer's loads
+                while m0 + 4 <= m_rows:
+                    q = dot4x4(buf, x, m0, k0, kn)
+                    for i in range(4):
+                        for r in range(TILE):
+                            acc[m0 + i, r] += q[4 * i + r]
+                    m0 += 4
+            for m in range(m0, m_rows):
                 if m_rows > FUSE_ROWS:
                     a0, a1, a2, a3 = dot4(buf, x, m, k0, kn)
                 else:

@@ -4,10 +4,10 @@ The trunk worker concatenates the rows of many sessions' steps and runs each pro
 matrix product. A session's outputs must not depend on who shares its batch, so a row's result
 must be the same whether the call has 4 rows or 256. BLAS does not promise that: MKL chooses its
 blocking (and for a single row, a different routine) by the matrix sizes, so the same row rounds
-differently in different batches. The small-row kernel is invariant but runs out of load
-bandwidth beyond a few dozen rows. This module's kernel (:mod:`engine.kernels._batch_rows`)
-computes 4 x 2 output blocks with one code path for every row count; see
-``docs/performance.md`` ("Continuous batching") for where each kernel wins on our CPUs.
+differently in different batches. The client's float32 kernel (:mod:`engine.kernels._f32_ir`)
+fixes the order of every operation of each output element, whatever the block it is computed
+in, so the worker uses the same kernel at every row count (prefill chunks included); see
+``docs/performance.md`` ("Continuous batching").
 
 :func:`available` compiles the kernel (or loads it from numba's cache), checks it against
 torch, and checks on this CPU that a row's bits do not change with the row count or the row's
@@ -35,11 +35,11 @@ def _build() -> Callable[..., None]:
     from engine.kernels import _cache_dir
 
     os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())
-    from engine.kernels._batch_rows import batch_times_weight
+    from engine.kernels._f32_ir import f32_times_weight
 
-    kernel: Callable[..., None] = batch_times_weight
+    kernel: Callable[..., None] = f32_times_weight
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(37, 70, generator=g)  # [N, K]: an odd N exercises the paired rows' edge
+    w = torch.randn(37, 70, generator=g)  # [N, K]: an odd N exercises a short last tile
     x = torch.randn(13, 70, generator=g)  # [M, K]
     y = torch.empty(13, 37)
     kernel(x.numpy(), w.numpy(), y.numpy())
@@ -55,8 +55,8 @@ def self_check(kernel: Callable[..., None]) -> str:
     """'' when every row gets the same bits alone and inside bigger calls at every offset
     (the property the batching worker relies on), else what differed."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(67, 160, generator=g)  # [N, K]
-    x = torch.randn(23, 160, generator=g)  # [M, K]
+    w = torch.randn(67, 165, generator=g)  # [N, K]: K % 16 != 0 exercises the tail
+    x = torch.randn(23, 165, generator=g)  # [M, K]
 
     def run(rows: torch.Tensor) -> torch.Tensor:
         y = torch.empty(rows.shape[0], w.shape[0])
