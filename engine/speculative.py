@@ -129,8 +129,8 @@ class CostModel:
 
 @dataclass
 class SpecOptions:
-    # most draft nodes proposed per round before the cost model trims: root + 63 nodes is the
-    # largest block the small-row kernel takes (bigger ones fall back to BLAS, much slower)
+    # most draft nodes proposed per round before the cost model trims (root + 63 nodes; the
+    # float32 kernel takes blocks up to engine.kernels.MAX_ROWS before BLAS)
     max_nodes: int = 63
     fixed_budget: int | None = None  # skip the cost model: always send this many nodes (or fewer)
     # Compute LM-head rows only along the walk (engine.lazy_logits) when the drafter does not

@@ -158,7 +158,7 @@ class DraftHeadNet(torch.nn.Module):
 
 
 def _lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for any leading shape, through the small-row kernel when it applies."""
+    """``x @ w.T`` for any leading shape, through the float32 row kernel when it applies."""
     if x.dim() == 2:
         return linear(x, w)
     return linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])

@@ -58,7 +58,7 @@ class HeadDraft:
         head: DraftHead,
         client: Any,
         *,
-        width: int = 4,  # the small-row kernel streams the weights once for up to 4 rows
+        width: int = 4,  # four rows share each weight load in the float32 kernel (4 x 4 blocks)
         top_k: int = 8,
         max_depth: int = 8,
         max_nodes: int = 64,

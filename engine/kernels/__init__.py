@@ -3,14 +3,15 @@
 Decoding multiplies a handful of rows (one token, or a draft tree of 2-64 nodes) by every weight
 matrix. BLAS libraries are tuned for big matrices: on the CPUs we measured, MKL's GEMM for 4-16
 rows costs 3-4x its single-row GEMV, although the weights — which dominate the memory traffic —
-are the same. This module streams each weight row once and computes its dot products with four
-input rows at a time (a numba kernel, vectorized by LLVM, parallel over tiles of weight rows),
-so a block of up to ~4 rows costs about what one row costs and a 16-node tree about 3x.
+are the same. This module's float32 kernel (:mod:`engine.kernels._f32_ir`, LLVM IR through
+numba, parallel over tiles of weight rows) reads each weight tile once for all the block's rows
+and computes 4 x 4 blocks of outputs where there are four rows to share the loads.
 
-Batch invariance: every output element is computed by the same code (rows are taken four at a
-time; a short last group repeats its last row and discards the copies), so a row's result does not
-depend on how many other rows share the call. A token verified inside a tree therefore gets
-bit-identical projections to the same token decoded alone.
+Batch invariance: every output element is one dot product with a fixed order of operations
+(16 lanes with fused multiply-adds, a fixed tree, then the tail), whichever block computed it,
+so a row's result does not depend on how many other rows share the call. A token verified
+inside a tree therefore gets bit-identical projections to the same token decoded alone, and the
+trunk worker's batches (:mod:`engine.kernels.batched`) use the same kernel.
 
 Falls back to ``torch.nn.functional.linear`` when numba is missing or fails to compile, for
 non-float32 or non-CPU tensors, when autograd is recording, and for blocks above

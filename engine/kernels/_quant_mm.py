@@ -3,14 +3,16 @@ without a float copy of ``w`` (numba drivers around the LLVM IR of :mod:`engine.
 imported lazily; numba caches the machine code on disk).
 
 Each thread takes tiles of 4 weight rows. A tile is decoded chunk by chunk (``KC`` values of the
-input dimension, 16 KB of float32 for the 4 rows: it stays in L1) and every input row is
-multiplied with the decoded chunk while it is hot. So the stored blocks are read from memory
+input dimension, 16 KB of float32 for the 4 rows: it stays in L1) and the input rows are
+multiplied with the decoded chunk while it is hot, four at a time (:func:`dot4x4`: 16 products
+sharing each load), the rest one by one. So the stored blocks are read from memory
 once per call whatever the number of rows, and decoding (a few vector instructions per 8
 values) is paid once per call and shared by all rows.
 
-Batch invariance: every output element comes from the same instructions (:func:`dot4`, 16
-explicit lanes) over the same chunks of the input dimension, summed in the same order, so a
-row's result does not depend on how many rows share the call or where it sits among them.
+Batch invariance: every output element comes from the same operations (:func:`dot4` and
+:func:`dot4x4` have the same 16 explicit lanes and order) over the same chunks of the input
+dimension, summed in the same order, so a row's result does not depend on how many rows share
+the call or where it sits among them.
 
 The format is a literal argument (``numba.literally``): one driver source, one compiled
 specialization per format, each cached separately.
