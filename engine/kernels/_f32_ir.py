@@ -144,7 +144,7 @@ def _tile(x: Any, w: Any, y: Any, t: int) -> None:
             c1 = min(j + step, last)
             c2 = min(j + 2 * step, last)
             c3 = min(j + 3 * step, last)
-            cols = (c1 - j) // step + (c2 - c1) // step + (c3 - c2) // step + 1
+            cols = min(4, (last - j) // step + 1)  # weight rows of this block that exist
             m = g0
             while m + 4 <= g1:
                 r = dot4x4(x, w, (m, m + 1, m + 2, m + 3, j, c1, c2, c3))
