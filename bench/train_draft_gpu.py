@@ -32,6 +32,9 @@ def main() -> int:
     ap.add_argument("--gen-batch", type=int, default=0, help="0: the pipeline's default")
     ap.add_argument("--local-layers", type=int, default=2)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--seed", type=int, default=0, help="self-prompt sampling and training seed")
+    ap.add_argument("--vocab-size", type=int, default=4096, help="draft vocabulary (0: all)")
+    ap.add_argument("--heldout", type=float, default=0.04, help="share of replies kept aside")
     args = ap.parse_args()
 
     import torch
@@ -65,7 +68,8 @@ def main() -> int:
     t_data = time.perf_counter()
     have = 0
     while time.perf_counter() - t_data < 60 * args.data_minutes and have < args.max_tokens:
-        man = make_data(model, work, DataOptions(tokens=have + 1, batch=gen_batch))
+        data = DataOptions(tokens=have + 1, batch=gen_batch, seed=args.seed)
+        man = make_data(model, work, data)
         have = int(man.data["tokens"])
         mins = (time.perf_counter() - t_data) / 60
         print(f"data: {have} tokens, {man.data.get('samples', 0)} samples ({mins:.2f} min)")
@@ -89,6 +93,9 @@ def main() -> int:
         device=device,
         work_dir=work,
         minutes=args.train_minutes,
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        heldout=args.heldout,
     )
     info = train_draft(args.model, out / "head.safetensors", opts, report)
     info["data_wall_s_this_run"] = round(data_wall, 1)

@@ -137,6 +137,38 @@ def test_batch_model_records_what_the_client_computes(models: dict[str, Path], f
         assert torch.equal(sample.top_ids[:, 0].long(), logits.argmax(-1))
 
 
+def test_rows_that_finish_early_leave_the_batch_unchanged(models: dict[str, Path]) -> None:
+    """Rows ending at different steps (EOS) are dropped from the batch in groups; every row's
+    tokens and records equal those of the same prompt run alone."""
+    bm = BatchModel(resolve(str(models["llama"])), (1, 3, 4))
+    prompts = [[5 + i, 6, 7 + 2 * i, 8][: 2 + i % 3] + [30 + i] * (i % 4) for i in range(8)]
+    free = bm.run(prompts, 10, eos=[])
+    # end-of-text: tokens that some rows emit early, so rows finish at different steps
+    eos = sorted({free[0][0][1], free[3][0][3], free[5][0][0]})
+    dropped: list[int] = []
+    keep_rows = bm.keep_rows
+
+    def counting(rows: torch.Tensor) -> None:
+        dropped.append(int(rows.numel()))
+        keep_rows(rows)
+
+    bm.keep_rows = counting  # type: ignore[method-assign]
+    batched = bm.run(prompts, 10, eos=eos, record_from=[1] * len(prompts))
+    bm.keep_rows = keep_rows  # type: ignore[method-assign]
+    assert dropped, "no row left the batch: the test does not cover compaction"
+    ends = {len(new) for new, _ in batched}
+    assert len(ends) > 2
+    for p, (new, sample) in zip(prompts, batched, strict=True):
+        [(alone, ref)] = bm.run([p], 10, eos=eos, record_from=[1])
+        assert new == alone
+        assert sample is not None and ref is not None
+        assert sample.tokens.tolist() == ref.tokens.tolist() == [*p, *new]
+        assert sample.feats.shape == ref.feats.shape == (len(p) + len(new) - 1, 3 * 64)
+        torch.testing.assert_close(sample.feats.float(), ref.feats.float(), atol=2e-2, rtol=0)
+        assert torch.equal(sample.top_ids[:, 0], ref.top_ids[:, 0])
+        assert sample.start == 1
+
+
 def test_self_prompts_start_at_the_user_turn(models: dict[str, Path]) -> None:
     tok = BatchModel(resolve(str(models["llama"])), (1, 3, 4)).tokenizer
     prefix = user_turn_prefix(tok)

@@ -129,7 +129,7 @@ def make_data(
     while man.data["tokens"] < opts.tokens:
         t_wall, t_cpu = time.perf_counter(), cpu_seconds()
         idx = len(man.data["shards"])
-        gen = torch.Generator().manual_seed(opts.seed * 100_003 + idx)
+        gen = torch.Generator(device=model.device).manual_seed(opts.seed * 100_003 + idx)
         # 1. self-prompts: the model writes user messages after the user-turn prefix
         report("self-prompts", man.data["tokens"], opts.tokens, {})
         outs = model.run(

@@ -165,7 +165,12 @@ class BatchModel:
         """Continue every prompt (greedy, or sampled at ``temperature`` / ``top_p``) for up to
         ``max_new`` tokens or an EOS token. With ``record_from`` (per prompt: first trained
         position), also record features and top-k log-probabilities at every position.
-        Returns (new tokens, sample or None) per prompt, in order."""
+        Returns (new tokens, sample or None) per prompt, in order.
+
+        The generated positions' records stay on the device until the end (one copy back, not
+        one per step), and finished rows leave the batch only once a quarter of it has
+        finished (dropping a row copies every layer's KV cache; until then it is computed and
+        ignored). A row's tokens never depend on the rows beside it."""
         n = len(prompts)
         lens = [len(p) for p in prompts]
         width = max(lens)
@@ -183,62 +188,67 @@ class BatchModel:
         self.start(n, width + max_new)
         record = record_from is not None
         feats, final = self.forward(ids, pos, key_ok, 0)
-        rec_f: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        rec_i: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        rec_l: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        if record:
+        pre: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        if record:  # the prompt's positions, one row at a time (logits [T, V] per row)
             for r in range(n):
-                f = feats[r, pad[r] :]
-                rec_f[r].append(f.to(torch.float16).cpu())
                 ti, tl = _topk_logprobs(self.logits(final[r, pad[r] :]))
-                rec_i[r].append(ti)
-                rec_l[r].append(tl)
+                pre.append((feats[r, pad[r] :].to(torch.float16).cpu(), ti.cpu(), tl.cpu()))
+            steps = max(max_new - 1, 0)
+            gen_f = torch.zeros(n, steps, feats.shape[-1], dtype=torch.float16, device=dev)
+            gen_i = torch.zeros(n, steps, TOPK, dtype=torch.int32, device=dev)
+            gen_l = torch.zeros(n, steps, TOPK, dtype=torch.float16, device=dev)
         last = self.logits(final[:, -1])  # [B, V]
         out: list[list[int]] = [[] for _ in range(n)]
-        alive = list(range(n))  # original index of each batch row
+        rows = list(range(n))  # original index of each batch row
+        rows_dev = torch.arange(n, device=dev)
+        done = [False] * n
+        live = n
         eos_set = {int(e) for e in eos}
         t = width
         cur_pos = pos[:, -1] + 1  # [B]
         for step in range(max_new):
             nxt = _choose(last, temperature, top_p, generator)  # [B]
-            keep = []
-            for j, r in enumerate(alive):
-                tok = int(nxt[j])
+            for r, tok in zip(rows, nxt.tolist(), strict=True):
+                if done[r]:
+                    continue
                 out[r].append(tok)
-                if tok not in eos_set and step < max_new - 1:
-                    keep.append(j)
-            if not keep:
+                if tok in eos_set or step >= max_new - 1:
+                    done[r] = True
+                    live -= 1
+            if live == 0:
                 break
-            if len(keep) < len(alive):  # finished rows are not computed any further
-                rows = torch.tensor(keep, dtype=torch.long, device=dev)
-                self.keep_rows(rows)
-                key_ok, self.key_pos = key_ok[rows], self.key_pos[rows]
-                cur_pos, nxt = cur_pos[rows], nxt[rows]
-                alive = [alive[j] for j in keep]
+            if live <= 3 * len(rows) // 4:  # finished rows are not computed any further
+                keep = [j for j, r in enumerate(rows) if not done[r]]
+                sel = torch.tensor(keep, dtype=torch.long, device=dev)
+                self.keep_rows(sel)
+                key_ok, self.key_pos = key_ok[sel], self.key_pos[sel]
+                cur_pos, nxt, rows_dev = cur_pos[sel], nxt[sel], rows_dev[sel]
+                rows = [rows[j] for j in keep]
             key_ok[:, t] = True
             self.key_pos[:, t] = cur_pos
             feats, final = self.forward(nxt[:, None], cur_pos[:, None], key_ok, t)
             last = self.logits(final[:, 0])  # [B, V]
-            if record:
+            if record:  # a finished row's slots past its end are cut off below
                 ti, tl = _topk_logprobs(last)
-                f16 = feats[:, 0].to(torch.float16).cpu()
-                for j, r in enumerate(alive):
-                    rec_f[r].append(f16[j : j + 1])
-                    rec_i[r].append(ti[j : j + 1])
-                    rec_l[r].append(tl[j : j + 1])
+                gen_f[rows_dev, step] = feats[:, 0].to(torch.float16)
+                gen_i[rows_dev, step] = ti
+                gen_l[rows_dev, step] = tl
             cur_pos = cur_pos + 1
             t += 1
         results: list[tuple[list[int], Sample | None]] = []
+        if record:
+            gen_f_c, gen_i_c, gen_l_c = gen_f.cpu(), gen_i.cpu(), gen_l.cpu()
         for r in range(n):
             sample = None
             if record:
                 toks = [*prompts[r], *out[r]]
-                f = torch.cat(rec_f[r])[: len(toks) - 1]
+                m = len(out[r]) - 1  # generated positions that were run
+                f0, i0, l0 = pre[r]
                 sample = Sample(
                     torch.tensor(toks, dtype=torch.int32),
-                    f,
-                    torch.cat(rec_i[r])[: len(toks) - 1],
-                    torch.cat(rec_l[r])[: len(toks) - 1],
+                    torch.cat([f0, gen_f_c[r, :m]])[: len(toks) - 1],
+                    torch.cat([i0, gen_i_c[r, :m]])[: len(toks) - 1],
+                    torch.cat([l0, gen_l_c[r, :m]])[: len(toks) - 1],
                     int(record_from[r]) if record_from is not None else 0,
                 )
             results.append((out[r], sample))
@@ -246,10 +256,11 @@ class BatchModel:
 
 
 def _topk_logprobs(logits: torch.Tensor, k: int = TOPK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids [R, k] int32 and log-probabilities [R, k] float16 of logits [R, V]."""
+    """Top-k ids [R, k] int32 and log-probabilities [R, k] float16 of logits [R, V], on the
+    logits' device."""
     vals, ids = logits.topk(k, dim=-1)
     lp = vals - logits.logsumexp(-1, keepdim=True)
-    return ids.to(torch.int32).cpu(), lp.to(torch.float16).cpu()
+    return ids.to(torch.int32), lp.to(torch.float16)
 
 
 def _choose(
@@ -264,7 +275,9 @@ def _choose(
         cut = sp.cumsum(-1) - sp > top_p
         sp = sp.masked_fill(cut, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, si, sp)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).flatten().to(logits.device)
+    if generator is not None and generator.device.type != probs.device.type:
+        probs = probs.cpu()
+    return torch.multinomial(probs, 1, generator=generator).flatten().to(logits.device)
 
 
 def user_turn_prefix(tokenizer: Any) -> list[int]:
