@@ -60,7 +60,7 @@ def main() -> int:
     plan = SplitPlan.symmetric(cfg.n_layers, args.local_layers)
     taps = (plan.head, plan.n_layers - plan.tail, plan.n_layers)
     model = BatchModel(resolved, taps, device=device)
-    gen_batch = args.gen_batch or default_gen_batch(device)
+    gen_batch = args.gen_batch or default_gen_batch(device, cfg)
     print(f"device {device} ({torch.cuda.get_device_name() if device.startswith('cuda') else ''})")
     print(f"model loaded in {time.perf_counter() - t0:.1f} s; generating {gen_batch} rows at once")
 

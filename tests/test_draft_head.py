@@ -169,6 +169,31 @@ def test_rows_that_finish_early_leave_the_batch_unchanged(models: dict[str, Path
         assert sample.start == 1
 
 
+def test_generation_rows_fit_the_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU generates up to 1,024 rows at once, fewer where the model's caches would not fit
+    in half of the free memory; a CPU always 64. (No GPU needed: its memory is simulated.)"""
+    from engine.config import ModelConfig
+    from engine.drafts.pipeline import default_gen_batch
+
+    smol = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e5)
+    llama8b = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 5e5)
+    gib = 2**30
+    free = [120 * gib]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 140 * gib))
+    assert default_gen_batch("cpu", llama8b) == 64
+    assert default_gen_batch("cuda") == 1024  # no model to size by
+    assert default_gen_batch("cuda", smol) == 1024
+    # Llama-3-8B: 2 x (2 x 32 layers x 8 heads x 128 x 384 positions x 4 bytes) ~ 201 MB a row
+    rows = default_gen_batch("cuda", llama8b)
+    assert 250 <= rows <= 310
+    assert default_gen_batch("cuda", llama8b, reply_tokens=1024) < rows
+    free[0] = 8 * gib
+    assert 1 <= default_gen_batch("cuda", llama8b) <= 25
+    free[0] = 0
+    assert default_gen_batch("cuda", smol) == 1
+
+
 def test_self_prompts_start_at_the_user_turn(models: dict[str, Path]) -> None:
     tok = BatchModel(resolve(str(models["llama"])), (1, 3, 4)).tokenizer
     prefix = user_turn_prefix(tok)

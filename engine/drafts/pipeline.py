@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine.config import ModelConfig
 from engine.drafts.dataset import (
     DataOptions,
     Manifest,
@@ -28,7 +29,7 @@ from engine.drafts.dataset import (
     trained_tokens,
 )
 from engine.drafts.head import DraftHead, DraftHeadNet, HeadShape, model_fingerprint, save_head
-from engine.drafts.selfgen import BatchModel, Sample
+from engine.drafts.selfgen import TOPK, BatchModel, Sample
 from engine.drafts.train import (
     Frozen,
     TrainOptions,
@@ -54,7 +55,7 @@ class DraftTrainOptions:
     intermediate: int | None = None  # head MLP width (default: half the model's)
     device: str | None = None  # None: cuda when available, else cpu
     work_dir: Path | None = None
-    gen_batch: int = 0  # rows generated together; 0: 64 on a CPU, 1,024 on a GPU
+    gen_batch: int = 0  # rows generated together; 0: 64 on a CPU, up to 1,024 on a GPU
     minutes: float = 0.0  # > 0: training stops after about this long (fewer steps)
     reply_tokens: int = 256
     heldout: float = 0.04  # share of samples kept aside for the acceptance report
@@ -65,9 +66,29 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_gen_batch(device: str) -> int:
-    """Replies generated together: a GPU fills with many rows, a CPU is busy with a few."""
-    return 1024 if device.startswith("cuda") else 64
+def default_gen_batch(
+    device: str,
+    config: ModelConfig | None = None,
+    reply_tokens: int = 256,
+    prompt_tokens: int = 128,
+) -> int:
+    """Replies generated together: a CPU is busy with 64; a GPU fills with up to 1,024, as many
+    as half its free memory holds once the model is loaded (``config`` given): per row the
+    float32 KV caches of ``prompt_tokens + reply_tokens`` positions (twice: dropping finished
+    rows copies them), the recorded features and top-k, and a few vocabulary-wide rows for the
+    logits and sampling. The default model fits 1,024 rows on a large GPU; an 8B model far
+    fewer."""
+    if not device.startswith("cuda"):
+        return 64
+    if config is None or not torch.cuda.is_available():
+        return 1024
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    span = prompt_tokens + reply_tokens
+    kv = 2 * config.n_layers * config.n_kv_heads * config.head_dim * span * 4
+    records = reply_tokens * (3 * config.hidden_size * 2 + TOPK * 6)
+    vocab_rows = 4 * config.vocab_size * 4
+    per_row = 2 * kv + records + vocab_rows
+    return max(1, min(1024, int(0.5 * free) // per_row))
 
 
 def split_heldout(samples: list[Sample], share: float) -> tuple[list[Sample], list[Sample]]:
@@ -128,7 +149,7 @@ def train_draft(
         model = BatchModel(resolved, taps, device=device)
         data = DataOptions(
             tokens=opts.tokens,
-            batch=opts.gen_batch or default_gen_batch(device),
+            batch=opts.gen_batch or default_gen_batch(device, cfg, opts.reply_tokens),
             reply_tokens=opts.reply_tokens,
             text_dir=opts.text_dir,
             seed=opts.seed,
