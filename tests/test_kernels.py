@@ -183,3 +183,35 @@ def test_top_k_softmax_matches_torch(kernel_on: None) -> None:
     # where it does not apply, the caller falls back to torch
     assert kernels.top_k_softmax(logits.double(), 8) is None
     assert kernels.top_k_softmax(logits, 6000) is None
+
+
+def test_attention_depends_only_on_the_keys_a_row_sees(kernel_on: None) -> None:
+    """A row's attention over the keys its mask allows has the bits of the same query over
+    just those keys, packed at the start of the cache and nothing masked — whatever slots they
+    sat in (tree verification vs sequential decoding) — and matches torch's SDPA."""
+    g = torch.Generator().manual_seed(5)
+    nh, nkv, hd, cap = 6, 2, 64, 96
+    for end in (1, 7, 8, 9, 17, 40, 71, 96):
+        q = torch.randn(nh, 5, hd, generator=g)
+        kc = torch.randn(nkv, cap, hd, generator=g) * 2
+        vc = torch.randn(nkv, cap, hd, generator=g)
+        mask = torch.rand(5, end, generator=g) < 0.6
+        mask[:, 0] = True
+        out = kernels.attention(q, kc, vc, end, mask)
+        assert out is not None
+        for b in range(5):
+            seen = mask[b].nonzero().flatten()
+            kp = torch.zeros_like(kc)
+            vp = torch.zeros_like(vc)
+            kp[:, : seen.numel()] = kc[:, seen]
+            vp[:, : seen.numel()] = vc[:, seen]
+            alone = kernels.attention(q[:, b : b + 1].contiguous(), kp, vp, seen.numel(), None)
+            assert alone is not None
+            assert torch.equal(out[b], alone[0]), (end, b)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[:, b : b + 1][None],
+                kc[:, seen].repeat_interleave(nh // nkv, 0)[None],
+                vc[:, seen].repeat_interleave(nh // nkv, 0)[None],
+            )[0]  # [nh, 1, hd]
+            want = ref.transpose(0, 1).reshape(-1)  # [nh hd]
+            torch.testing.assert_close(out[b], want, atol=2e-6, rtol=1e-5)
