@@ -57,7 +57,13 @@ def main() -> int:
             trunk = load_trunk(client.resolved, s, e)
         runners[k] = SplitRunner(client, trunk)
     first = runners[ks[0]].client
-    hf = AutoModelForCausalLM.from_pretrained(str(first.resolved.folder), dtype=torch.float32)
+    src = first.resolved.source
+    if src.is_file() and src.suffix.lower() == ".gguf":  # the weights stay in the GGUF file
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(src.parent), gguf_file=src.name, dtype=torch.float32
+        )
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(first.resolved.folder), dtype=torch.float32)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     results = []
     print(f"{'prompt':<24} {'hf tok/s':>9} " + " ".join(f"{'k=' + str(k):>14}" for k in ks))
