@@ -27,20 +27,13 @@ def _exp_below(x: Any, n: int, top: Any) -> None:
     (e^(y / 1024))^1024 with a degree-6 Taylor term and ten squarings in float64, relative error
     ~1e-9 before the rounding to float32; more than 87 below ``top`` counts as 87 below (a weight
     under 2e-38). No fast-math: the vector body and the scalar remainder do the same operations,
-    so a key's weight does not depend on its slot (which is what keeps rows invariant)."""
+    so a key's weight does not depend on its slot (which is what keeps rows invariant). Same
+    exp as ``_topk._sum_exp``, kept as this file's own copy (numba's per-file cache)."""
     for t in range(n):
         y = max(np.float64(x[t]) - top, -87.0) * (1.0 / 1024.0)
         e = 1.0 + y * (1.0 + y * (0.5 + y * (1.0 / 6 + y * (1.0 / 24 + y * (1.0 / 120 + y / 720)))))
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
+        for _ in range(10):  # e^(y / 1024) -> e^y
+            e *= e
         x[t] = np.float32(e)
 
 

@@ -26,21 +26,15 @@ def _sum_exp(row: Any, m: float) -> float:
     this kernel's time): exp(x) = (e^(x / 1024))^1024, the inner term by its Taylor series to
     degree 6 (relative error < 4e-12 for x / 1024 in [-0.085, 0]), then ten squarings in
     float64 (together ~1e-9 relative). Entries more than 87 below the maximum add less than
-    1e-37 each and are clamped there."""
+    1e-37 each and are clamped there. The attention kernel has the same exp as its own copy
+    (``_attention._exp_below``, without fast-math there): numba's on-disk cache of a function
+    is not refreshed when a function it calls in another file changes."""
     s = 0.0
     for j in range(row.shape[0]):
         y = max(np.float64(row[j]) - m, -87.0) * (1.0 / 1024.0)
         e = 1.0 + y * (1.0 + y * (0.5 + y * (1.0 / 6 + y * (1.0 / 24 + y * (1.0 / 120 + y / 720)))))
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
-        e *= e
+        for _ in range(10):  # e^(y / 1024) -> e^y
+            e *= e
         s += e
     return s
 
