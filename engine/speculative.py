@@ -54,6 +54,8 @@ from engine.sampling import SamplingParams, process_logits
 from engine.split import SplitRunner
 
 TOPK = 8  # successors recorded per verified node (token recycling)
+MIN_SPREAD = 16.0  # variance of recent block sizes (nodes^2) the cost model's slope needs
+SIZE_SLACK = 0.03  # the cost model takes the largest tree within 3 % of the best predicted rate
 
 
 class CostModel:
@@ -104,7 +106,7 @@ class CostModel:
         mt = self._t / self._w
         var = self._nn / self._w - mn * mn
         # the slope needs enough spread in block sizes; until then, the prior
-        b = (self._nt / self._w - mn * mt) / var if var > 4.0 else self.prior_b
+        b = (self._nt / self._w - mn * mt) / var if var > MIN_SPREAD else self.prior_b
         b = max(b, 1e-5)
         a = max(mt - b * mn, 1e-4)
         return a, b
@@ -114,17 +116,20 @@ class CostModel:
         return a + b * block_size
 
     def choose(self, path_probs: Sequence[float]) -> int:
-        """How many draft nodes (a prefix of the best-first order) maximize tokens/second."""
+        """How many draft nodes (a prefix of the best-first order) maximize tokens/second.
+
+        Near its best the predicted rate is flat over a wide range of sizes; there the largest
+        size within ``SIZE_SLACK`` of the best rate is taken: it needs fewer round trips for the
+        same speed, so the network's jitter and a shared trunk's queue cost less."""
         a, b = self.coefficients()
         a += self.draft_s
-        best_rate, best_n = 1.0 / (a + b), 0
+        rates = [1.0 / (a + b)]
         expected = 1.0
         for i, p in enumerate(path_probs):
             expected += p
-            rate = expected / (a + b * (i + 2))
-            if rate > best_rate:
-                best_rate, best_n = rate, i + 1
-        return best_n
+            rates.append(expected / (a + b * (i + 2)))
+        floor = max(rates) * (1.0 - SIZE_SLACK)
+        return max(n for n, r in enumerate(rates) if r >= floor)
 
 
 @dataclass
@@ -136,6 +141,18 @@ class SpecOptions:
     # Compute LM-head rows only along the walk (engine.lazy_logits) when the drafter does not
     # learn from every node's logits (``needs_all_logits = False`` on the drafter).
     lazy_head: bool = True
+
+
+def explore_size(chosen: int, available: int, max_nodes: int) -> int:
+    """The block size of an exploration round: the same size every round says nothing about the
+    cost per node, and a slope fitted over a narrow range of sizes is mostly noise (a too-steep
+    one keeps trees small, and small trees never show it wrong). Every fourth round, while the
+    recent sizes vary too little, sends a clearly different size: twice the choice plus 8 (as
+    far as the proposal goes), or half of it when that would not fit."""
+    bigger = min(2 * chosen + 8, available, max_nodes)
+    if bigger - chosen >= 8:
+        return bigger
+    return chosen // 2
 
 
 def proposal_size(recent: Sequence[int], max_nodes: int) -> int:
@@ -278,7 +295,8 @@ def generate_speculative(
     ctx = list(prompt_ids)
     logits, feats = _verify(runner, ctx, range(len(ctx)), None, None, taps)  # [L, V]
     stats.round_trips += 1
-    cost.observe(len(ctx), time.perf_counter() - t0)
+    # (the prefill is not a verification round: prompt processing, a session being opened and
+    # first-call costs would make its few long blocks set the cost model's slope)
     tok = choose_token(logits[-1], params, ctx, gen, {})
     ctx.append(tok)
     t_first = time.perf_counter()
@@ -326,14 +344,15 @@ def generate_speculative(
             tree = limit_depth(drafter.propose(ctx, size), room)
             n = cost.choose(tree.path_probs())
             state.rounds += 1
-            if cost.spread() < 4.0 and state.rounds % 4 == 0:
-                n //= 2  # the same size every round says nothing about the cost per node
+            if cost.spread() < MIN_SPREAD and state.rounds % 4 == 0:
+                n = explore_size(n, len(tree), opts.max_nodes)
             tree = tree.prefix(n)
             state.recent = [*state.recent[-7:], len(tree)]
         t_sent = time.perf_counter()
         draft_s = t_sent - t_round
         ids, parents = tree.block(root)
         positions = [root_pos] + [root_pos + d for d in tree.depths()]
+        approx = False
         lazy = opts.lazy_head and not getattr(drafter, "needs_all_logits", True)
         rows: torch.Tensor | LazyLogits
         if lazy:  # LM-head rows as the walk reaches them; same bits as computing them all
@@ -370,12 +389,8 @@ def generate_speculative(
             stats.draft_s += draft_s
             break
         t_learn = time.perf_counter()
-        if isinstance(rows, LazyLogits):  # rows never computed: ids -1, probabilities 0
-            top_ids = torch.full((len(ids), TOPK), -1, dtype=torch.long)
-            top_probs = torch.zeros(len(ids), TOPK)
-            done_rows = sorted(rows.rows)
-            t_ids, t_probs = top_successors(torch.stack([rows.rows[i] for i in done_rows]), TOPK)
-            top_ids[done_rows], top_probs[done_rows] = t_ids, t_probs
+        if isinstance(rows, LazyLogits):
+            top_ids, top_probs = _walked_successors(rows, head if approx else None)
         else:
             top_ids, top_probs = top_successors(rows, TOPK)  # [B, K]
         drafter.observe(
@@ -388,6 +403,28 @@ def generate_speculative(
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
+
+
+def _walked_successors(
+    rows: LazyLogits, head: HeadDraft | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k successors [B, K] of every node of a lazily verified block: exact for the rows the
+    walk computed; for the others, within ``head``'s draft vocabulary when there is a head
+    (else ids -1, probabilities 0: nothing learned from them)."""
+    n = len(rows)
+    top_ids = torch.full((n, TOPK), -1, dtype=torch.long)
+    top_probs = torch.zeros(n, TOPK)
+    done = sorted(rows.rows)
+    t_ids, t_probs = top_successors(torch.stack([rows.rows[i] for i in done]), TOPK)
+    top_ids[done], top_probs[done] = t_ids, t_probs
+    rest = [i for i in range(n) if i not in rows.rows]
+    if head is not None and rest:
+        approx = head.vocab_successors(rows.hidden[rest], TOPK)
+        if approx is not None:
+            a_ids, a_probs = approx
+            k = a_ids.shape[1]
+            top_ids[rest, :k], top_probs[rest, :k] = a_ids, a_probs
+    return top_ids, top_probs
 
 
 def _taps(runner: SplitRunner, head: HeadDraft | None) -> tuple[int, int, int] | None:

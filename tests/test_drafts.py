@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from engine.drafts import (
     DraftSource,
     DraftTree,
+    MergedCalibration,
     RecyclingDraft,
     SuffixDraft,
     TreeDrafter,
@@ -110,9 +111,11 @@ def test_recycling_lists_pair_and_single_successors() -> None:
     tree = r.propose([1, 5], 2)
     _valid(tree, 2)
     assert tree.tokens == [8, 7]
-    # the merged drafter does not count the correlated tables as independent evidence
+    # the merged drafter does not count the correlated tables as independent evidence (0.7, not
+    # 1 - 0.3 * 0.4); the three children's estimates (0.7, 0.6, 0.2) add up to more than 1, so
+    # they are scaled down together
     merged = TreeDrafter([r]).propose([1, 5], 1)
-    assert merged.tokens == [8] and merged.probs[0] == pytest.approx(0.7)
+    assert merged.tokens == [8] and merged.probs[0] == pytest.approx(0.7 / 1.5)
 
 
 @settings(max_examples=40, deadline=None)
@@ -161,6 +164,45 @@ def test_calibration_learns_from_verification() -> None:
     assert before == 0.9
     assert after < 0.25
     assert len(tree) == 1
+
+
+def test_merged_calibration_learns_the_acceptance_rate_per_bucket() -> None:
+    m = MergedCalibration(buckets=20, prior_weight=8.0)
+    assert m(0.6) == pytest.approx(0.6)  # nothing seen: the estimate itself
+    for i in range(100):  # estimates of 0.6 were right one time in four
+        m.update(0.6, i % 4 == 0)
+    assert m(0.61) == pytest.approx((25 + 8 * 0.61) / 108)
+    assert m(0.2) == pytest.approx(0.2)  # other buckets keep their own (no) evidence
+
+
+def test_siblings_estimates_never_add_up_to_more_than_one() -> None:
+    class Sure:
+        name = "sure"
+
+        def propose(self, context: list[int], budget: int) -> DraftTree:
+            t = DraftTree()
+            for tok in (7, 8, 9):  # three children, each "90 % sure"
+                t.add(tok, -1, 0.9, key=tok)
+            return t
+
+        def observe(self, verified: Verified) -> None:
+            pass
+
+        def reset(self) -> None:
+            pass
+
+    d = TreeDrafter([Sure()])
+    tree = d.propose([1], 8)
+    assert sorted(tree.tokens) == [7, 8, 9]
+    assert sum(tree.probs) == pytest.approx(1.0)  # at most one of them can be the target
+    for _ in range(40):  # 7 is the target every time
+        d.propose([1], 8)
+        top = torch.zeros(4, 1)  # [B, 1]
+        d.observe(Verified([1, 7], [1, 7, 8, 9], [-1, 0, 0, 0], top.long(), top, [0, 1], {0: 7}))
+    tree = d.propose([1], 8)
+    probs = dict(zip(tree.tokens, tree.probs, strict=True))
+    assert tree.tokens[0] == 7 and probs[7] > 0.7 and probs[8] < 0.2
+    assert sum(tree.probs) <= 1.0 + 1e-9
 
 
 def test_recycling_borrows_successors_of_a_similar_token() -> None:

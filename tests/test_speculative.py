@@ -349,13 +349,45 @@ def test_cost_model_fits_round_time_and_picks_the_best_prefix() -> None:
         cm.observe(n, 0.120 + 0.002 * n)  # 120 ms fixed, 2 ms per node
     a, b = cm.coefficients()
     assert abs(a - 0.120) < 1e-6 and abs(b - 0.002) < 1e-7
-    # expected tokens/s of a prefix: (1 + sum p) / (a + b (n + 1))
-    assert cm.choose([0.9, 0.8, 0.7, 0.01, 0.01]) == 3
+    # expected tokens/s of a prefix: (1 + sum p) / (a + b (n + 1)); rates for n = 0..6 of
+    # [0.9, 0.8, 0.7, 0, 0, 0]: 8.20, 15.32, 21.43, 26.56 (best), 26.15, 25.76, 25.37
+    # the largest prefix within SIZE_SLACK (3 %) of the best rate (floor 25.77) is taken
+    assert spec.SIZE_SLACK == 0.03
+    assert cm.choose([0.9, 0.8, 0.7, 0.0, 0.0, 0.0]) == 4  # 25.76 is 3.02 % below the best
+    assert cm.choose([0.9, 0.8, 0.7, 0.01, 0.01]) == 5  # 25.91: within 3 %
+    assert cm.choose([0.9, 0.8, 0.7, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]) == 4
     assert cm.choose([]) == 0
     cheap = spec.CostModel()
     for n in (1, 8, 16, 32):
         cheap.observe(n, 0.001 + 0.01 * n)  # compute-bound: every node costs a lot
     assert cheap.choose([0.3, 0.2, 0.1]) == 0
+
+
+def test_exploration_rounds_send_a_clearly_different_size() -> None:
+    assert spec.explore_size(6, 40, 63) == 20  # twice the choice plus 8
+    assert spec.explore_size(6, 12, 63) == 3  # the proposal is too small to go up: half
+    assert spec.explore_size(40, 63, 63) == 63  # as far as the limit goes
+    assert spec.explore_size(60, 63, 63) == 30  # no room above: half
+    assert spec.explore_size(0, 30, 63) == 8
+
+
+def test_cost_model_slope_needs_varied_sizes() -> None:
+    cm = spec.CostModel(prior_b=0.002)
+    for n in (10, 12, 10, 12, 10, 12):  # variance 1: the slope would be noise
+        cm.observe(n, 0.1 + 0.01 * (n == 12))
+    assert cm.coefficients()[1] == pytest.approx(0.002)
+    for n in (2, 30, 2, 30):
+        cm.observe(n, 0.1 + 0.001 * n)
+    assert cm.spread() > spec.MIN_SPREAD
+    assert cm.coefficients()[1] < 0.002
+
+
+def test_prefill_is_not_a_cost_model_observation(models: dict[str, Path]) -> None:
+    runner = _runner(models["llama"])
+    spec.forget(runner)
+    spec.generate_speculative(runner, list(range(3, 40)), SamplingParams(max_new_tokens=1))
+    cm = spec.runner_state(runner).cost
+    assert cm._w == 0.0  # one token: only the prefill ran, and it taught the cost model nothing
 
 
 def test_proposal_size_follows_the_cost_models_recent_choices() -> None:
