@@ -352,7 +352,6 @@ def generate_speculative(
         draft_s = t_sent - t_round
         ids, parents = tree.block(root)
         positions = [root_pos] + [root_pos + d for d in tree.depths()]
-        approx = False
         lazy = opts.lazy_head and not getattr(drafter, "needs_all_logits", True)
         rows: torch.Tensor | LazyLogits
         if lazy:  # LM-head rows as the walk reaches them; same bits as computing them all
@@ -389,8 +388,12 @@ def generate_speculative(
             stats.draft_s += draft_s
             break
         t_learn = time.perf_counter()
-        if isinstance(rows, LazyLogits):
-            top_ids, top_probs = _walked_successors(rows, head if approx else None)
+        if isinstance(rows, LazyLogits):  # rows never computed: ids -1, probabilities 0
+            top_ids = torch.full((len(ids), TOPK), -1, dtype=torch.long)
+            top_probs = torch.zeros(len(ids), TOPK)
+            done_rows = sorted(rows.rows)
+            t_ids, t_probs = top_successors(torch.stack([rows.rows[i] for i in done_rows]), TOPK)
+            top_ids[done_rows], top_probs[done_rows] = t_ids, t_probs
         else:
             top_ids, top_probs = top_successors(rows, TOPK)  # [B, K]
         drafter.observe(
@@ -403,28 +406,6 @@ def generate_speculative(
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
-
-
-def _walked_successors(
-    rows: LazyLogits, head: HeadDraft | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k successors [B, K] of every node of a lazily verified block: exact for the rows the
-    walk computed; for the others, within ``head``'s draft vocabulary when there is a head
-    (else ids -1, probabilities 0: nothing learned from them)."""
-    n = len(rows)
-    top_ids = torch.full((n, TOPK), -1, dtype=torch.long)
-    top_probs = torch.zeros(n, TOPK)
-    done = sorted(rows.rows)
-    t_ids, t_probs = top_successors(torch.stack([rows.rows[i] for i in done]), TOPK)
-    top_ids[done], top_probs[done] = t_ids, t_probs
-    rest = [i for i in range(n) if i not in rows.rows]
-    if head is not None and rest:
-        approx = head.vocab_successors(rows.hidden[rest], TOPK)
-        if approx is not None:
-            a_ids, a_probs = approx
-            k = a_ids.shape[1]
-            top_ids[rest, :k], top_probs[rest, :k] = a_ids, a_probs
-    return top_ids, top_probs
 
 
 def _taps(runner: SplitRunner, head: HeadDraft | None) -> tuple[int, int, int] | None:

@@ -463,42 +463,6 @@ def test_speculative_with_the_head_equals_sequential(
         spec.use_draft_head(runner, "auto")
 
 
-def test_unwalked_nodes_learn_successors_within_the_draft_vocabulary(
-    models: dict[str, Path],
-) -> None:
-    """With a head, the LM head runs only along the walk; the other nodes' successors (for token
-    recycling) come from the draft vocabulary's rows: the model's own top-k among those tokens."""
-    from engine.lazy_logits import LazyLogits
-
-    runner = _runner(models["qwen2"])
-    client = runner.client
-    cfg = client.config
-    vocab = torch.arange(3, cfg.vocab_size, 3)
-    src = HeadDraft(_random_head(runner, 5, vocab), client)
-    g = torch.Generator().manual_seed(11)
-    hidden = torch.randn(5, cfg.hidden_size, generator=g)  # [B, H]
-    full = client.logits(hidden)  # [B, V]
-    ids, probs = src.vocab_successors(hidden, 4)  # type: ignore[misc]
-    ref = full[:, vocab].softmax(-1).topk(4, dim=-1)
-    assert torch.equal(ids, vocab[ref.indices])
-    assert torch.allclose(probs, ref.values, rtol=1e-5, atol=1e-7)
-    assert HeadDraft(_random_head(runner, 5, None), client).vocab_successors(hidden, 4) is None
-
-    # block [root, a, b, c, d]: a and b hang off the root, c off a, d off b
-    rows = LazyLogits(client, hidden, [-1, 0, 0, 1, 2], [1.0, 0.9, 0.1, 0.8, 0.5])
-    assert torch.equal(rows[0], full[0])  # the walk reads the root: its likely chain 0, a, c
-    assert sorted(rows.rows) == [0, 1, 3]
-    top_ids, top_probs = spec._walked_successors(rows, src)
-    exact = spec.top_successors(full, spec.TOPK)
-    for i in (0, 1, 3):
-        assert torch.equal(top_ids[i], exact[0][i])
-    for i in (2, 4):  # never computed in full: the draft vocabulary's top 8
-        approx = full[i, vocab].softmax(-1).topk(spec.TOPK)
-        assert torch.equal(top_ids[i], vocab[approx.indices])
-    no_head = spec._walked_successors(rows, None)[0]
-    assert (no_head[[2, 4]] == -1).all()
-
-
 def test_the_trained_head_drafts_most_of_the_text(
     models: dict[str, Path], trained: dict[str, object]
 ) -> None:

@@ -221,28 +221,6 @@ class HeadDraft:
         self.last_ms = (time.perf_counter() - t0) * 1000
         return tree
 
-    @torch.inference_mode()
-    def vocab_successors(
-        self, hidden: torch.Tensor, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The model's own top-``k`` next tokens within the draft vocabulary, from final hidden
-        states [n, H] (the model's final norm and its LM-head rows for those tokens; softmax over
-        the draft vocabulary): ids [n, k] as model ids and their probabilities. None without a
-        reduced vocabulary (then this would cost as much as the full LM head)."""
-        if self.vocab is None:
-            return None
-        from engine import kernels
-
-        logits = self._logits(hidden.float())  # [n, Vd]
-        k = min(k, logits.shape[-1])
-        fast = kernels.top_k_softmax(logits, k)
-        if fast is not None:
-            idx, probs = fast
-        else:
-            vals, idx = logits.topk(k, dim=-1)  # [n, k]
-            probs = (vals - logits.logsumexp(-1, keepdim=True)).exp()
-        return self.vocab[idx], probs
-
     # --- pieces -----------------------------------------------------------------------------------
 
     def _embed(self, ids: Sequence[int]) -> torch.Tensor:
