@@ -55,7 +55,7 @@ from engine.split import SplitRunner
 
 TOPK = 8  # successors recorded per verified node (token recycling)
 MIN_SPREAD = 16.0  # variance of recent block sizes (nodes^2) the cost model's slope needs
-SIZE_SLACK = 0.03  # the cost model takes the largest tree within 3 % of the best predicted rate
+SIZE_SLACK = 0.06  # the cost model takes the largest tree within 6 % of the best predicted rate
 
 
 class CostModel:
