@@ -343,20 +343,28 @@ def test_sampling_keeps_the_exact_distribution(
 # ---------------------------------------------------------------- cost model
 
 
-def test_cost_model_fits_round_time_and_picks_the_best_prefix() -> None:
+def test_cost_model_fits_round_time_and_picks_the_best_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cm = spec.CostModel()
     for n in (1, 5, 10, 20, 40, 1, 30):
         cm.observe(n, 0.120 + 0.002 * n)  # 120 ms fixed, 2 ms per node
     a, b = cm.coefficients()
     assert abs(a - 0.120) < 1e-6 and abs(b - 0.002) < 1e-7
-    # expected tokens/s of a prefix: (1 + sum p) / (a + b (n + 1)); rates for n = 0..6 of
-    # [0.9, 0.8, 0.7, 0, 0, 0]: 8.20, 15.32, 21.43, 26.56 (best), 26.15, 25.76, 25.37
-    # the largest prefix within SIZE_SLACK (3 %) of the best rate (floor 25.77) is taken
-    assert spec.SIZE_SLACK == 0.03
-    assert cm.choose([0.9, 0.8, 0.7, 0.0, 0.0, 0.0]) == 4  # 25.76 is 3.02 % below the best
-    assert cm.choose([0.9, 0.8, 0.7, 0.01, 0.01]) == 5  # 25.91: within 3 %
-    assert cm.choose([0.9, 0.8, 0.7, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]) == 4
+    # expected tokens/s of a prefix: (1 + sum p) / (a + b (n + 1)); for n = 0..8 of
+    # [0.9, 0.8, 0.7, 0, 0, ...]: 8.20, 15.32, 21.43, 26.56 (best), 26.15, 25.76, 25.37, 25.00,
+    # 24.64
+    flat = [0.9, 0.8, 0.7, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    monkeypatch.setattr(spec, "SIZE_SLACK", 0.0)
+    assert cm.choose(flat) == 3  # the best rate
+    assert cm.choose([0.9, 0.8, 0.7, 0.01, 0.01]) == 3
     assert cm.choose([]) == 0
+    # with slack, the largest prefix within it of the best rate
+    monkeypatch.setattr(spec, "SIZE_SLACK", 0.03)  # floor 25.77
+    assert cm.choose(flat) == 4
+    assert cm.choose([0.9, 0.8, 0.7, 0.01, 0.01]) == 5  # 25.91
+    monkeypatch.setattr(spec, "SIZE_SLACK", 0.06)  # floor 24.97
+    assert cm.choose(flat) == 7
     cheap = spec.CostModel()
     for n in (1, 8, 16, 32):
         cheap.observe(n, 0.001 + 0.01 * n)  # compute-bound: every node costs a lot
