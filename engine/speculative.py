@@ -137,7 +137,9 @@ class SpecOptions:
     # most draft nodes proposed per round before the cost model trims (root + 63 nodes; the
     # float32 kernel takes blocks up to engine.kernels.MAX_ROWS before BLAS)
     max_nodes: int = 63
-    fixed_budget: int | None = None  # skip the cost model: always send this many nodes (or fewer)
+    # skip the cost model: always send this many nodes (or fewer), and let the learned head grow
+    # its tree without a time-based limit (so nothing depends on this machine's speed)
+    fixed_budget: int | None = None
     # Compute LM-head rows only along the walk (engine.lazy_logits) when the drafter does not
     # learn from every node's logits (``needs_all_logits = False`` on the drafter).
     lazy_head: bool = True
@@ -334,8 +336,13 @@ def generate_speculative(
         root, root_pos = ctx[-1], len(ctx) - 1
         room = min(limit - 1 - root_pos, params.max_new_tokens - len(out.token_ids))
         if head is not None:
-            # a level of the head's tree must add at least what its time buys at the current rate
-            head.min_gain = head.level_ms / 1000 * cost.rate(max(state.recent[-1:] or [0]) + 1)
+            # a level of the head's tree must add at least what its time buys at the current
+            # rate (with a fixed budget nothing depends on measured time: no limit)
+            head.min_gain = (
+                head.level_ms / 1000 * cost.rate(max(state.recent[-1:] or [0]) + 1)
+                if opts.fixed_budget is None
+                else 0.0
+            )
         if opts.fixed_budget is not None:
             tree = drafter.propose(ctx, opts.fixed_budget)
             tree = limit_depth(tree, room)
