@@ -139,22 +139,30 @@ def test_merged_tree_is_valid_and_best_first(ctx: list[int], budget: int) -> Non
         _valid(tree.prefix(n), n)
 
 
+class _Children:
+    """A draft source that proposes the same children of the root every round:
+    (token, raw probability, calibration key) each."""
+
+    name = "fixed"
+
+    def __init__(self, children: list[tuple[int, float, object]]) -> None:
+        self.children = children
+
+    def propose(self, context: list[int], budget: int) -> DraftTree:
+        t = DraftTree()
+        for tok, p, key in self.children:
+            t.add(tok, -1, p, key=key)
+        return t
+
+    def observe(self, verified: Verified) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
 def test_calibration_learns_from_verification() -> None:
-    class Fixed:
-        name = "fixed"
-
-        def propose(self, context: list[int], budget: int) -> DraftTree:
-            t = DraftTree()
-            t.add(7, -1, 0.9, key="k")
-            return t
-
-        def observe(self, verified: Verified) -> None:
-            pass
-
-        def reset(self) -> None:
-            pass
-
-    d = TreeDrafter([Fixed()])
+    d = TreeDrafter([_Children([(7, 0.9, "k")])])
     before = d.propose([1], 4).probs[0]
     for _ in range(20):  # the model never picks 7
         tree = d.propose([1], 4)
@@ -176,22 +184,7 @@ def test_merged_calibration_learns_the_acceptance_rate_per_bucket() -> None:
 
 
 def test_siblings_estimates_never_add_up_to_more_than_one() -> None:
-    class Sure:
-        name = "sure"
-
-        def propose(self, context: list[int], budget: int) -> DraftTree:
-            t = DraftTree()
-            for tok in (7, 8, 9):  # three children, each "90 % sure"
-                t.add(tok, -1, 0.9, key=tok)
-            return t
-
-        def observe(self, verified: Verified) -> None:
-            pass
-
-        def reset(self) -> None:
-            pass
-
-    d = TreeDrafter([Sure()])
+    d = TreeDrafter([_Children([(tok, 0.9, tok) for tok in (7, 8, 9)])])  # each "90 % sure"
     tree = d.propose([1], 8)
     assert sorted(tree.tokens) == [7, 8, 9]
     assert sum(tree.probs) == pytest.approx(1.0)  # at most one of them can be the target

@@ -229,6 +229,13 @@ class MergedCalibration:
 Contrib = list[tuple[str, Hashable, float]]  # (source, key, raw probability) behind a node
 
 
+def _at_most_one(probs: list[float]) -> list[float]:
+    """Siblings' acceptance estimates, scaled down together when they add up to more than 1
+    (at most one child of a node is the target)."""
+    total = sum(probs)
+    return [p / total for p in probs] if total > 1.0 else probs
+
+
 class TreeDrafter:
     """One tree from several sources under a node budget.
 
@@ -255,15 +262,14 @@ class TreeDrafter:
         self.max_depth = max_depth
         self.calibrator = Calibrator()
         self.merged = MergedCalibration()
-        self._last: list[Contrib] = []  # per node of the last proposal
-        self._last_raw: list[float] = []  # per node of the last proposal: combined estimate
+        # per node of the last proposal: what proposed it, and its combined estimate
+        self._last: list[tuple[Contrib, float]] = []
         self._last_tree = DraftTree()
 
     def reset(self) -> None:
         for s in self.sources:
             s.reset()
         self._last = []
-        self._last_raw = []
         self._last_tree = DraftTree()
 
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
@@ -300,24 +306,19 @@ class TreeDrafter:
                 scored.append((1.0 - miss, t, c))
             scored.sort(key=lambda x: -x[0])
             scored = scored[: self.max_children]
-            # at most one child is accepted: estimates adding up to more than 1 are scaled down
-            # together, then calibrated (and scaled again if the map took them above 1)
-            total = sum(q for q, _, _ in scored)
-            raw = [q / total if total > 1.0 else q for q, _, _ in scored]
-            cal_q = [merged_cal(q) for q in raw]
-            total = sum(cal_q)
-            shrink = 1.0 / total if total > 1.0 else 1.0
+            # scaled to add up to at most 1, calibrated, and scaled again if the map took them
+            # above 1
+            raw = _at_most_one([q for q, _, _ in scored])
+            final = _at_most_one([merged_cal(q) for q in raw])
             out: list[Child] = []
-            for (_, t, c), q, p in zip(scored, raw, cal_q, strict=True):
+            for (_, t, c), q, p in zip(scored, raw, final, strict=True):
                 token_key = len(contribs)
                 contribs[token_key] = (c, q)
-                out.append((t, p * shrink, token_key))
+                out.append((t, p, token_key))
             return out
 
         tree, keys = best_first(context, budget, expand, self.max_depth)
-        picked = [contribs[k] for k in keys if isinstance(k, int)]
-        self._last = [c for c, _ in picked]
-        self._last_raw = [q for _, q in picked]
+        self._last = [contribs[k] for k in keys if isinstance(k, int)]
         tree.keys = [None] * len(tree)
         self._last_tree = tree
         return tree
@@ -331,8 +332,9 @@ class TreeDrafter:
             if target is None:
                 continue
             hit = tree.tokens[i] == target
-            for name, key, _ in self._last[i]:
+            contrib, raw = self._last[i]
+            for name, key, _ in contrib:
                 self.calibrator.update(name, key, hit)
-            self.merged.update(self._last_raw[i], hit)
+            self.merged.update(raw, hit)
         for s in self.sources:
             s.observe(verified)
