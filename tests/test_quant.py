@@ -215,8 +215,10 @@ def test_int8_activation_products(quant_on: None, int8_acts: object, fmt: str) -
     256 for the K-quants) x (dequantized weights), to float rounding, and a row's bits do not
     depend on its block."""
     from engine.kernels._int_mm import quantize_acts, quantize_acts_k
+    from engine.kernels._ir_int import GROUP
 
-    k = 512 if fmt.endswith("_k") else 480  # 15 blocks of 32: 3 groups of 4 and 3 alone
+    # 15 blocks of 32: 3 groups of 4 and 3 alone, or (512-bit VNNI) 1 group of 8 and 7 alone
+    k = 512 if fmt.endswith("_k") else 480
     w = rand_quant(fmt, 37, k, seed=11)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(11))
     y = kernels.linear(x, w)
@@ -226,12 +228,16 @@ def test_int8_activation_products(quant_on: None, int8_acts: object, fmt: str) -
     sums = 16 if block == 256 else 32  # integer sums, for the offsets and minimums
     xs = np.empty((9, k // sums), np.int16 if block == 256 else np.int32)
     (quantize_acts_k if block == 256 else quantize_acts)(x.numpy(), xq, xd, xs)
-    if block == 32:  # whole groups of 4 blocks are stored interleaved: put them back in order
+    if block == 32:  # whole groups of G blocks are stored interleaved: put them back in order
+        g_ = GROUP
         pos = [
-            32 * (i // 8) + 4 * (j + 4 * (i // 4 % 2)) + i % 4 for j in range(4) for i in range(32)
+            8 * g_ * (i // 8) + 4 * (j + g_ * (i // 4 % 2)) + i % 4
+            for j in range(g_)
+            for i in range(32)
         ]
-        for g in range(k // 128):
-            xq[:, 128 * g : 128 * g + 128] = xq[:, 128 * g + np.array(pos)]
+        for g in range(k // (32 * g_)):
+            at = 32 * g_ * g
+            xq[:, at : at + 32 * g_] = xq[:, at + np.array(pos)]
     assert np.array_equal(xq.astype(np.int32).reshape(9, -1, sums).sum(-1), xs)
     xr = (xq.astype(np.float64).reshape(9, -1, block) * xd[..., None]).reshape(9, k)
     ref = xr @ reference(w).astype(np.float64).T

@@ -1,8 +1,9 @@
 """The int8-activation kernels' other instruction paths, checked on any machine.
 
-The kernels pick VNNI, AVX2 or portable IR by CPU feature, so a CI machine with VNNI would
-never run the code a CPU without it runs. Here the product test runs again in a child process
-with the faster features hidden (``VEIL_CPU_FEATURES_OFF``) and its own kernel cache."""
+The kernels pick VNNI (512- or 256-bit), AVX2 or portable IR by CPU feature, so a CI machine
+with VNNI would never run the code a CPU without it runs. Here the product test runs again in a
+child process with the faster features hidden (``VEIL_CPU_FEATURES_OFF``) or the other vector
+width forced (``VEIL_INT8_WIDTH``), with its own kernel cache."""
 
 from __future__ import annotations
 
@@ -37,6 +38,44 @@ def test_int8_kernels_without_the_faster_features(
     env["HOME"] = env["XDG_CACHE_HOME"] = str(tmp_path)  # a kernel cache of its own
     r = subprocess.run(
         [sys.executable, "-c", CHILD.format(avx2_allowed=want_avx2)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "9 passed" in r.stdout, r.stdout[-3000:]
+
+
+WIDTH_CHILD = """
+import sys
+import pytest
+from engine.kernels import _ir_int
+assert _ir_int._vnni() and _ir_int._wide() == {wide}, "the forced width was not used"
+assert _ir_int.GROUP == {group}
+args = ["-q", "-p", "no:cacheprovider", "tests/test_quant.py", "-k", "int8_activation"]
+sys.exit(pytest.main(args))
+"""
+
+
+def test_int8_kernels_at_the_other_vector_width(tmp_path: Path) -> None:
+    """CPUs with 512-bit VNNI at full width run the int8 kernels with 512-bit vectors (eight
+    blocks per step), others with 256-bit ones (a Zen 4 has both and takes 256): the width
+    this machine does not choose runs here in a child process (``VEIL_INT8_WIDTH``); the
+    chosen one runs in tests/test_quant.py."""
+    from engine.kernels import _ir_int, cpu
+
+    if not _ir_int._vnni():
+        pytest.skip("this CPU has no VNNI: the AVX2 test above covers its int8 path")
+    if not _ir_int._wide() and not cpu.can_wide_int8():
+        pytest.skip("this CPU has only 256-bit VNNI, which tests/test_quant.py runs")
+    width = 256 if _ir_int._wide() else 512
+    env = {**os.environ, "VEIL_INT8_WIDTH": str(width)}
+    env["HOME"] = env["XDG_CACHE_HOME"] = str(tmp_path)
+    code = WIDTH_CHILD.format(wide=width == 512, group=8 if width == 512 else 4)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
         cwd=REPO,
         env=env,
         capture_output=True,

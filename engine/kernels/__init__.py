@@ -391,7 +391,8 @@ def int8_activations() -> bool:
 def _quant_cache_dir() -> str:
     """numba's cache for the quantized kernels, keyed by the source that generates their
     machine code (the IR emitters live in another file than the cached functions, and numba
-    checks only the latter's timestamp) and by the CPU features hidden from the emitters."""
+    checks only the latter's timestamp), by the CPU features hidden from the emitters and by
+    the int8 kernels' vector width."""
     here = Path(__file__).parent
     h = hashlib.sha256()
     for name in ("_ir.py", "_ir_int.py", "_quant_mm.py", "_int_mm.py", "_fused_layer.py"):
@@ -406,6 +407,7 @@ def _quant_cache_dir() -> str:
     from engine.kernels import cpu
 
     h.update(",".join(sorted(cpu.features_off())).encode())  # the emitters choose by feature
+    h.update(b"512" if cpu.wide_int8() else b"256")  # ... and the int8 kernels by width
     return os.path.join(_cache_dir(), "quant-" + h.hexdigest()[:12])
 
 

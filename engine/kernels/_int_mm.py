@@ -21,7 +21,7 @@ from numba import literally, njit, prange, types
 from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
-from engine.kernels._ir import F32, FORMATS, I64, byte_ptr, reduce_lanes
+from engine.kernels._ir import F32, FORMATS, I32, I64, byte_ptr, reduce_lanes
 from engine.kernels._ir_int import GROUP, GROUPED, INT_FORMATS, K_CODES, Acc, Acts
 
 # numba caches a frozen app's functions too (in the user cache, keyed by the executable)
@@ -33,11 +33,13 @@ _OPTS: dict[str, Any] = {"boundscheck": False, "nogil": True, "cache": CACHE}
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
 def quantize_acts(x: Any, q: Any, d: Any, s: Any) -> None:
     """x [M, K] float32 -> q int8 [M, K], d [M, K/32] (scale of each block of 32: max|x|/127),
-    s int32 [M, K/32] (the sum of the block's quantized values). Within each whole group of 4
-    blocks (128 values) ``q`` is interleaved as the grouped kernels read it
-    (:func:`engine.kernels._ir_int.interleave`): 4-byte piece p of block j goes to byte
-    32 * (p // 2) + 4 * (j + 4 * (p % 2)); the blocks past the last whole group stay in order."""
-    grouped = x.shape[1] // 128 * 4  # blocks in whole groups
+    s int32 [M, K/32] (the sum of the block's quantized values). Within each whole group of
+    ``G`` = :data:`engine.kernels._ir_int.GROUP` blocks (4 or 8) ``q`` is interleaved as the
+    grouped kernels read it (:func:`engine.kernels._ir_int.interleave` /
+    :func:`~engine.kernels._ir_int.interleave8`): 4-byte piece p of block j goes to byte
+    8 * G * (p // 2) + 4 * (j + G * (p % 2)) of the group; the blocks past the last whole group
+    stay in order."""
+    grouped = x.shape[1] // (32 * GROUP) * GROUP  # blocks in whole groups
     for m in range(x.shape[0]):
         for blk in range(x.shape[1] // 32):
             o = blk * 32
@@ -48,12 +50,13 @@ def quantize_acts(x: Any, q: Any, d: Any, s: Any) -> None:
             inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
             d[m, blk] = dd
             tot = 0
+            j = blk % GROUP
             for i in range(32):
                 v = math.floor(x[m, o + i] * inv + np.float32(0.5))
                 v = min(127, max(-127, v))
                 if blk < grouped:
                     piece = i // 4
-                    at = (blk - blk % 4) * 32 + 32 * (piece // 2) + 4 * (blk % 4 + 4 * (piece % 2))
+                    at = (blk - j) * 32 + 8 * GROUP * (piece // 2) + 4 * (j + GROUP * (piece % 2))
                     q[m, at + i % 4] = v
                 else:
                     q[m, o + i] = v
@@ -110,9 +113,9 @@ def _itile(
     ``TILE * nx`` dot products over the whole row, block by block in integers, stored into
     ``y`` (weight rows past the last are computed on the last and not stored). Each weight
     block is decoded once for all ``nx`` rows (the blocks of formats with a grouped emitter,
-    :data:`engine.kernels._ir_int.GROUPED`, four at a time); every (weight row, activation
-    row) pair keeps its own accumulators and the same operations whatever ``nx`` is, so a
-    row's result does not depend on the rows beside it."""
+    :data:`engine.kernels._ir_int.GROUPED`, :data:`~engine.kernels._ir_int.GROUP` at a time);
+    every (weight row, activation row) pair keeps its own accumulators and the same
+    operations whatever ``nx`` is, so a row's result does not depend on the rows beside it."""
     for lit in (fmt, nx):
         if not isinstance(lit, types.IntegerLiteral):
             raise errors.RequireLiteralValue(lit)
@@ -165,6 +168,22 @@ def _itile(
         def block(r: int, index: ir.Value) -> ir.Value:  # weight row r's block ``index``
             return b.gep(rows[r], [b.mul(index, ir.Constant(I64, nbytes))])
 
+        prefetch = cgutils.get_or_insert_function(
+            b.module,
+            ir.FunctionType(ir.VoidType(), [ir.PointerType(ir.IntType(8)), I32, I32, I32]),
+            "llvm.prefetch.p0i8",
+        )
+
+        def ahead(first: ir.Value, count: int) -> None:
+            """Prefetch the next weight row's bytes beside these blocks' (a hint: it reads
+            nothing, so past the last row it is harmless)."""
+            start = b.gep(block(TILE - 1, first), [wstride])
+            for off in range(0, count * nbytes, 64):
+                at = b.gep(start, [ir.Constant(I64, off)])
+                b.call(
+                    prefetch, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)]
+                )
+
         nb = b.udiv(_i64(b, b.extract_value(qa.shape, 1)), ir.Constant(I64, per))
         start = ir.Constant(I64, 0)
         if group is not None:  # whole groups of blocks first, then the blocks left
@@ -172,12 +191,14 @@ def _itile(
             with cgutils.for_range(b, groups) as loop:
                 blk0 = b.mul(loop.index, ir.Constant(I64, GROUP))
                 acts = acts_at(b.mul(blk0, ir.Constant(I64, per)))
+                ahead(blk0, GROUP)
                 for r in range(TILE):
                     ps = [block(r, b.add(blk0, ir.Constant(I64, j))) for j in range(GROUP)]
                     group(b, ps, acts, accs[r], scales[r])
             start = b.mul(groups, ir.Constant(I64, GROUP))
         with cgutils.for_range_slice(b, start, nb, ir.Constant(I64, 1)) as (index, _):
             acts = acts_at(b.mul(index, ir.Constant(I64, per)))
+            ahead(index, 1)
             for r in range(TILE):
                 emit(b, block(r, index), acts, accs[r], scales[r])
         ys0, ys1 = (b.extract_value(ya.strides, i) for i in range(2))

@@ -37,7 +37,6 @@ from engine.kernels._ir import (
     I32,
     I64,
     _high_bits,
-    _k4_scale_min,
     _nibbles,
     byte_ptr,
     const_vec,
@@ -66,6 +65,14 @@ def _vnni() -> bool:
     """256-bit integer dot products (AVX512-VNNI with VL, or AVX-VNNI)."""
     f = cpu.features()
     return ("avx512vnni" in f and "avx512vl" in f) or "avxvnni" in f
+
+
+@cache
+def _wide() -> bool:
+    """512-bit integer dot products at full width (:func:`engine.kernels.cpu.wide_int8`): the
+    per-32 formats then go eight blocks at a time (:data:`GROUP`) and the K-quants 64 values
+    per instruction."""
+    return cpu.wide_int8()
 
 
 def _x86(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
@@ -160,6 +167,10 @@ class Acts:
     def values(self, first: int) -> ir.Value:
         """<32 x i8> activations ``first .. first + 32``."""
         return load_vec(self.b, byte_ptr(self.b, self.q, first), I8, 32)
+
+    def values64(self, first: int) -> ir.Value:
+        """<64 x i8> activations ``first .. first + 64``."""
+        return load_vec(self.b, byte_ptr(self.b, self.q, first), I8, 64)
 
     def scale(self, first: int) -> ir.Value:
         """Scale of the 32-block holding element ``first``."""
@@ -294,7 +305,9 @@ def single(dec: Decoder) -> IntEmitter:
     return emit
 
 
-GROUP = 4  # blocks of 32 per step of the grouped emitters
+GROUP = 8 if _wide() else 4
+"""Blocks of 32 per step of the grouped emitters: 8 with 512-bit VNNI (:func:`grouped_wide`),
+else 4 (:func:`grouped`). ``quantize_acts`` stores the activations in the matching order."""
 
 
 def interleave(b: ir.IRBuilder, ws: Sequence[ir.Value]) -> list[ir.Value]:
@@ -313,6 +326,27 @@ def interleave(b: ir.IRBuilder, ws: Sequence[ir.Value]) -> list[ir.Value]:
     return out
 
 
+def interleave8(b: ir.IRBuilder, ws: Sequence[ir.Value]) -> list[ir.Value]:
+    """Eight blocks' 32 bytes -> four <16 x i32> chunks: chunk c holds 4-byte groups 2c of
+    blocks 0-7 in lanes 0-7, then groups 2c + 1 in lanes 8-15 (``quantize_acts`` stores the
+    activations of a group of 8 blocks in this order). A 512-bit ``vpdpbusd`` of chunks sums
+    block j into lanes j and j + 8."""
+    w32 = [b.bitcast(w, vec(I32, 8)) for w in ws]
+    cat = ir.Constant(vec(I32, 16), list(range(16)))
+    pairs = [b.shuffle_vector(w32[2 * i], w32[2 * i + 1], cat) for i in range(4)]  # [16]
+    out = []
+    for c in range(4):
+        lo, hi = 2 * c, 2 * c + 1
+        pick = ir.Constant(
+            vec(I32, 8), [lo, 8 + lo, 16 + lo, 24 + lo, hi, 8 + hi, 16 + hi, 24 + hi]
+        )
+        first = b.shuffle_vector(pairs[0], pairs[1], pick)  # blocks 0-3: [lo x 4, hi x 4]
+        second = b.shuffle_vector(pairs[2], pairs[3], pick)  # blocks 4-7
+        order = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+        out.append(b.shuffle_vector(first, second, ir.Constant(vec(I32, 16), order)))
+    return out
+
+
 def _twice(b: ir.IRBuilder, v4: ir.Value) -> ir.Value:
     """<4 x T> -> <8 x T> [v0, v1, v2, v3, v0, v1, v2, v3]."""
     return b.shuffle_vector(v4, v4, ir.Constant(vec(I32, 8), [0, 1, 2, 3] * 2))
@@ -325,6 +359,8 @@ def grouped(dec: Decoder) -> GroupEmitter:
     integer offsets, is converted once and multiplied by the four (weight x activation)
     scales in one ``fma`` — one block at a time costs a zeroing, a conversion, a scalar
     product, a broadcast and an ``fma`` per block and row. Minimums go four at a time too."""
+    if GROUP == 8:
+        return grouped_wide(dec)
 
     def emit(
         b: ir.IRBuilder,
@@ -364,6 +400,57 @@ def grouped(dec: Decoder) -> GroupEmitter:
     return emit
 
 
+def grouped_wide(dec: Decoder) -> GroupEmitter:
+    """Eight blocks of 32 against every activation row with 512-bit ``vpdpbusd``: with the
+    weights and activations interleaved (:func:`interleave8`), four instructions leave block
+    j's integer sum in lanes j and j + 8; one integer add of the two halves gives the eight
+    blocks' sums in 8 lanes, which take their offsets, are converted once and multiplied by
+    the eight (weight x activation) scales in one ``fma`` (half the per-row conversions,
+    scale products and ``fma`` of :func:`grouped`, per block)."""
+
+    def emit(
+        b: ir.IRBuilder,
+        ps: Sequence[ir.Value],
+        xs: Sequence[Acts],
+        accs: Sequence[Acc],
+        scale: ir.Value,
+    ) -> None:
+        blks = [dec(b, p, scale) for p in ps]
+        assert not any(blk.signed for blk in blks)  # with VNNI every block is unsigned
+        chunks = interleave8(b, [blk.w for blk in blks])
+        ws8 = ir.Constant(vec(F32, 8), ir.Undefined)
+        for j, blk in enumerate(blks):
+            ws8 = b.insert_element(ws8, blk.d, ir.Constant(I32, j))
+        mins8 = None
+        if blks[0].mn is not None:
+            mins8 = ir.Constant(vec(F32, 8), ir.Undefined)
+            for j, blk in enumerate(blks):
+                mins8 = b.insert_element(mins8, blk.mn, ir.Constant(I32, j))
+        ioff = blks[0].ioff
+        zero16 = ir.Constant(vec(I32, 16), [0] * 16)
+        low = ir.Constant(vec(I32, 8), list(range(8)))
+        high = ir.Constant(vec(I32, 8), list(range(8, 16)))
+        for x, acc in zip(xs, accs, strict=True):
+            h16 = zero16
+            for c, chunk in enumerate(chunks):
+                xv = b.bitcast(x.values64(64 * c), vec(I32, 16))
+                h16 = _x86(b, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [h16, chunk, xv])
+            h = b.add(b.shuffle_vector(h16, h16, low), b.shuffle_vector(h16, h16, high))
+            sums8 = None
+            if ioff or mins8 is not None:  # the eight blocks' integer sums
+                sums8 = load_vec(b, x.s, I32, 8)
+                if ioff:
+                    h = b.add(h, b.mul(sums8, const_vec(I32, 8, ioff)))
+            xd8 = load_vec(b, x.d, F32, 8)
+            v = fma(b, b.sitofp(h, vec(F32, 8)), b.fmul(ws8, xd8), b.load(acc.v))
+            if mins8 is not None:
+                assert sums8 is not None
+                v = fma(b, b.fmul(mins8, xd8), b.sitofp(sums8, vec(F32, 8)), v)
+            b.store(v, acc.v)
+
+    return emit
+
+
 def pairs_i16(b: ir.IRBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
     """<16 x i16> a, c -> <8 x i32>: lane j = a[2j] * c[2j] + a[2j + 1] * c[2j + 1]
     (``vpmaddwd``)."""
@@ -372,40 +459,94 @@ def pairs_i16(b: ir.IRBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
     return _pairs(b, b.mul(b.sext(a, vec(I32, 16)), b.sext(c, vec(I32, 16))))
 
 
+def _cat(b: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
+    """Two vectors of n lanes -> one of 2n (lo's lanes first)."""
+    n = lo.type.count
+    return b.shuffle_vector(lo, hi, ir.Constant(vec(I32, 2 * n), list(range(2 * n))))
+
+
+def _pairs_acc_wide(
+    b: ir.IRBuilder, acc: ir.Value, u: ir.Value, x: ir.Value, w: ir.Value
+) -> ir.Value:
+    """The 512-bit :func:`pairs_u8s8` then :func:`acc_pairs`: acc <16 x i32> + pair sums of
+    (u <64 x i8> unsigned x x <64 x i8> signed, 16-bit pair sums) times w <32 x i16>."""
+    p = _x86(b, "llvm.x86.avx512.pmaddubs.w.512", vec(I16, 32), [u, x])
+    args = [acc, b.bitcast(p, vec(I32, 16)), b.bitcast(w, vec(I32, 16))]
+    return _x86(b, "llvm.x86.avx512.vpdpwssd.512", vec(I32, 16), args)
+
+
+def _fold(b: ir.IRBuilder, v16: ir.Value) -> ir.Value:
+    """<16 x i32> -> <8 x i32>: lanes i and i + 8 added (exact integers)."""
+    low = ir.Constant(vec(I32, 8), list(range(8)))
+    high = ir.Constant(vec(I32, 8), list(range(8, 16)))
+    return b.add(b.shuffle_vector(v16, v16, low), b.shuffle_vector(v16, v16, high))
+
+
 def _int_k(
     b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], five: bool
 ) -> None:
     """Q4_K/Q5_K super-block against per-256 activations, in integers per row pair: the
-    values' products times their sub-block's 6-bit scale (``vpmaddubsw`` then ``vpdpwssd``),
-    summed over the super-block in 8 int32 lanes (exact: at most ~8 M); the minimums times
-    the activations' 16-value sums (one ``vpmaddwd`` per row); then converted and scaled
-    once."""
+    values' products times their sub-block's 6-bit scale (``vpmaddubsw`` then ``vpdpwssd``;
+    with :func:`_wide` two sub-blocks per 512-bit instruction), summed over the super-block
+    in int32 lanes (exact: at most ~8 M); the minimums times the activations' 16-value sums
+    (one ``vpmaddwd`` per row); then converted and scaled once. The integer sums are the same
+    on every path, so every path gives the same bits."""
     d = load_half(b, p)
     dmin = load_half(b, byte_ptr(b, p, 2))
-    s = byte_ptr(b, p, 4)
+    scales, mins = _k4_scales_mins(b, byte_ptr(b, p, 4))
     qh = load_vec(b, byte_ptr(b, p, 16), I8, 32) if five else None
     qs = 48 if five else 16
-    zero = ir.Constant(vec(I32, 8), [0] * 8)
+    wide = _wide()
+    zero = ir.Constant(vec(I32, 16 if wide else 8), [0] * (16 if wide else 8))
     sums = [zero for _ in xs]
-    mins: ir.Value = zero
     for pair in range(4):
         lo, hi = _nibbles(b, byte_ptr(b, p, qs + 32 * pair), 32)
+        us = []
         for half, u in ((0, lo), (1, hi)):
             j = 2 * pair + half
             if qh is not None:
                 top = b.and_(b.lshr(qh, const_vec(I8, 32, j)), const_vec(I8, 32, 1))
                 u = b.or_(u, b.shl(top, const_vec(I8, 32, 4)))
-            sc, mn = _k4_scale_min(b, s, j)  # i32 < 64
-            # lanes 2j, 2j + 1 of <16 x i16>: sub-block j's two 16-value sums take its minimum
-            mins = b.insert_element(mins, b.mul(mn, ir.Constant(I32, 0x10001)), ir.Constant(I32, j))
-            sc16 = splat(b, b.trunc(sc, I16), 16)
+            if wide:
+                us.append(u)
+                continue
+            sc16 = b.shuffle_vector(scales, scales, ir.Constant(vec(I32, 16), [j] * 16))
             for i, x in enumerate(xs):
                 sums[i] = acc_pairs(b, sums[i], pairs_u8s8(b, u, x.values(32 * j)), sc16)
+        if wide:  # sub-blocks 2 * pair and 2 * pair + 1 in one 512-bit step per row
+            u64 = _cat(b, us[0], us[1])
+            pick = [2 * pair] * 16 + [2 * pair + 1] * 16
+            sc32 = b.shuffle_vector(scales, scales, ir.Constant(vec(I32, 32), pick))
+            for i, x in enumerate(xs):
+                sums[i] = _pairs_acc_wide(b, sums[i], u64, x.values64(64 * pair), sc32)
     for x, acc, isum in zip(xs, accs, sums, strict=True):
         xd = x.scale(0)
-        acc.add_int(isum, b.fmul(d, xd))
-        imin = pairs_i16(b, x.isums(), b.bitcast(mins, vec(I16, 16)))
+        acc.add_int(_fold(b, isum) if wide else isum, b.fmul(d, xd))
+        imin = pairs_i16(b, x.isums(), mins)
         acc.add_int(imin, b.fneg(b.fmul(dmin, xd)))
+
+
+def _k4_scales_mins(b: ir.IRBuilder, s: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Q4_K/Q5_K's 12 packed bytes at ``s`` -> (<16 x i16> with the 8 sub-block scales in
+    lanes 0-7, <16 x i16> [m0, m0, m1, m1, ..., m7, m7]): the 6-bit fields unpacked four at a
+    time in 32-bit words (the values of :func:`engine.kernels._ir._k4_scale_min`)."""
+    word = ir.PointerType(I32)
+    u = [b.load(b.bitcast(byte_ptr(b, s, 4 * i), word), align=1) for i in range(3)]
+
+    def c(v: int) -> ir.Constant:
+        return ir.Constant(I32, v)
+
+    low6, low4, top2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
+    sc_lo = b.and_(u[0], low6)  # scales 0-3
+    mn_lo = b.and_(u[1], low6)  # mins 0-3
+    sc_hi = b.or_(b.and_(u[2], low4), b.shl(b.and_(b.lshr(u[0], c(6)), top2), c(4)))
+    mn_hi = b.or_(b.and_(b.lshr(u[2], c(4)), low4), b.shl(b.and_(b.lshr(u[1], c(6)), top2), c(4)))
+    words = ir.Constant(vec(I32, 4), ir.Undefined)
+    for i, w in enumerate((sc_lo, sc_hi, mn_lo, mn_hi)):
+        words = b.insert_element(words, w, ir.Constant(I32, i))
+    both = b.zext(b.bitcast(words, vec(I8, 16)), vec(I16, 16))  # scales 0-7, mins 0-7
+    pairs = [8 + i // 2 for i in range(16)]
+    return both, b.shuffle_vector(both, both, ir.Constant(vec(I32, 16), pairs))
 
 
 def int_q4_k(
@@ -430,12 +571,14 @@ def int_q6_k(
     d = load_half(b, byte_ptr(b, p, 208))
     sc = byte_ptr(b, p, 192)
     three, fifteen = const_vec(I8, 32, 3), const_vec(I8, 32, 15)
-    sums = [ir.Constant(vec(I32, 8), [0] * 8) for _ in xs]
+    wide = _wide()
+    sums = [ir.Constant(vec(I32, 16 if wide else 8), [0] * (16 if wide else 8)) for _ in xs]
     scales = b.sext(load_vec(b, sc, I8, 16), vec(I16, 16))  # the 16 block scales
     for h in range(2):
         ql0 = load_vec(b, byte_ptr(b, p, 64 * h), I8, 32)
         ql1 = load_vec(b, byte_ptr(b, p, 64 * h + 32), I8, 32)
         qh = load_vec(b, byte_ptr(b, p, 128 + 32 * h), I8, 32)
+        us, s16s = [], []
         for c in range(4):
             low = ql0 if c % 2 == 0 else ql1
             low = b.and_(low, fifteen) if c < 2 else b.lshr(low, const_vec(I8, 32, 4))
@@ -444,11 +587,21 @@ def int_q6_k(
             first = 128 * h + 32 * c
             k = 8 * h + 2 * c  # the first of this 32's two 16-value blocks
             s16 = b.shuffle_vector(scales, scales, ir.Constant(vec(I32, 16), [k] * 8 + [k + 1] * 8))
+            if wide:  # two 32s per 512-bit step per row
+                us.append(u)
+                s16s.append(s16)
+                if c % 2:
+                    u64, s32 = _cat(b, us[0], us[1]), _cat(b, s16s[0], s16s[1])
+                    us, s16s = [], []
+                    for i, x in enumerate(xs):
+                        sums[i] = _pairs_acc_wide(b, sums[i], u64, x.values64(first - 32), s32)
+                continue
             for i, x in enumerate(xs):
                 sums[i] = acc_pairs(b, sums[i], pairs_u8s8(b, u, x.values(first)), s16)
     for x, acc, isum in zip(xs, accs, sums, strict=True):
         offset = b.shl(pairs_i16(b, x.isums(), scales), const_vec(I32, 8, 5))  # 32 x ...
-        acc.add_int(b.sub(isum, offset), b.fmul(d, x.scale(0)))
+        total = _fold(b, isum) if wide else isum
+        acc.add_int(b.sub(total, offset), b.fmul(d, x.scale(0)))
 
 
 # by format code (engine.kernels._ir.CODES); None: the format has no grouped emitter

@@ -7,7 +7,8 @@ justify them are in docs/performance.md.
 
 ``VEIL_CPU_FEATURES_OFF`` (comma-separated LLVM names, e.g. ``avx512vnni,avxvnni``) hides
 features from these choices: to test the code other CPUs run, or to step around a feature
-that misbehaves on one machine. The quantized kernels' cache is keyed by what is left.
+that misbehaves on one machine. The quantized kernels' cache is keyed by what is left (and by
+the int8 kernels' vector width, :func:`wide_int8`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,39 @@ def has_int8_dot() -> bool:
     """Integer dot-product instructions (VNNI): int8 products at 4x the float32 rate."""
     f = features()
     return "avx512vnni" in f or "avxvnni" in f or "amx-int8" in f
+
+
+def host_cpu_name() -> str:
+    """LLVM's name for the host CPU (``znver4``, ``sapphirerapids``, ...; else ``generic``)."""
+    try:
+        import llvmlite.binding as llvm
+
+        return str(llvm.get_host_cpu_name())
+    except Exception:
+        return "generic"
+
+
+HALF_WIDTH_512 = frozenset({"znver4"})
+"""CPUs that run 512-bit instructions as two 256-bit halves: 512-bit variants of the int8
+kernels measured slower than the 256-bit ones on a Zen 4 (docs/performance.md)."""
+
+
+def can_wide_int8() -> bool:
+    """Whether this CPU has 512-bit integer dot products (AVX512-VNNI with AVX512BW)."""
+    return {"avx512f", "avx512bw", "avx512vnni"} <= features()
+
+
+def wide_int8() -> bool:
+    """Whether the int8-activation kernels use 512-bit vectors: where the CPU has them
+    (:func:`can_wide_int8`) at full width (not a :data:`HALF_WIDTH_512` CPU).
+    ``VEIL_INT8_WIDTH=256`` or ``512`` overrides the choice (512 only where the CPU has it),
+    which is how the tests run the path another CPU takes."""
+    forced = os.environ.get("VEIL_INT8_WIDTH", "").strip()
+    if forced == "256":
+        return False
+    if forced == "512":
+        return can_wide_int8()
+    return can_wide_int8() and host_cpu_name() not in HALF_WIDTH_512
 
 
 def summary() -> str:
