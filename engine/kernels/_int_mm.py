@@ -21,7 +21,7 @@ from numba import literally, njit, prange, types
 from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
-from engine.kernels._ir import F32, FORMATS, I32, I64, byte_ptr, reduce_lanes
+from engine.kernels._ir import F32, FORMATS, I64, byte_ptr, prefetch, reduce_lanes
 from engine.kernels._ir_int import GROUP, GROUPED, INT_FORMATS, K_CODES, Acc, Acts
 
 # numba caches a frozen app's functions too (in the user cache, keyed by the executable)
@@ -168,21 +168,10 @@ def _itile(
         def block(r: int, index: ir.Value) -> ir.Value:  # weight row r's block ``index``
             return b.gep(rows[r], [b.mul(index, ir.Constant(I64, nbytes))])
 
-        prefetch = cgutils.get_or_insert_function(
-            b.module,
-            ir.FunctionType(ir.VoidType(), [ir.PointerType(ir.IntType(8)), I32, I32, I32]),
-            "llvm.prefetch.p0i8",
-        )
-
         def ahead(first: ir.Value, count: int) -> None:
-            """Prefetch the next weight row's bytes beside these blocks' (a hint: it reads
-            nothing, so past the last row it is harmless)."""
-            start = b.gep(block(TILE - 1, first), [wstride])
-            for off in range(0, count * nbytes, 64):
-                at = b.gep(start, [ir.Constant(I64, off)])
-                b.call(
-                    prefetch, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)]
-                )
+            """Prefetch the next weight row's bytes beside these blocks' (the rows are read
+            one after the other: without it the 8-row products waited on memory)."""
+            prefetch(b, b.gep(block(TILE - 1, first), [wstride]), count * nbytes)
 
         nb = b.udiv(_i64(b, b.extract_value(qa.shape, 1)), ir.Constant(I64, per))
         start = ir.Constant(I64, 0)

@@ -57,6 +57,20 @@ def store_vec(b: ir.IRBuilder, v: ir.Value, ptr: ir.Value) -> None:
     b.store(v, b.bitcast(ptr, ir.PointerType(v.type)), align=4)
 
 
+def prefetch(b: ir.IRBuilder, ptr: ir.Value, nbytes: int = 1) -> None:
+    """Hint that the ``nbytes`` at ``ptr`` are read soon (one prefetch per 64 bytes, into
+    every cache level). It reads nothing, so any address is harmless."""
+    fn = cgutils.get_or_insert_function(
+        b.module,
+        ir.FunctionType(ir.VoidType(), [ir.PointerType(I8), I32, I32, I32]),
+        "llvm.prefetch.p0i8",
+    )
+    start = b.bitcast(ptr, ir.PointerType(I8))
+    for off in range(0, nbytes, 64):
+        at = b.gep(start, [ir.Constant(I64, off)])
+        b.call(fn, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
 def load_half(b: ir.IRBuilder, ptr: ir.Value) -> ir.Value:
     """float16 at ``ptr`` (any alignment) widened to float32, exactly."""
     h = b.load(b.bitcast(ptr, ir.PointerType(ir.HalfType())), align=1)

@@ -37,6 +37,7 @@ from engine.kernels._ir import (
     byte_ptr,
     fma,
     load_vec,
+    prefetch,
     reduce_lanes,
     store_vec,
     vec,
@@ -76,8 +77,10 @@ def _decode(
         sc = args[7] if args[7].type == F32 else b.fptrunc(args[7], F32)
         wrow = byte_ptr(b, wa.data, b.mul(n_, b.extract_value(wa.strides, 0)))
         orow = byte_ptr(b, oa.data, b.mul(r_, b.extract_value(oa.strides, 0)))
+        ahead = b.mul(ir.Constant(I64, TILE), b.extract_value(wa.strides, 0))
         with cgutils.for_range(b, nb_) as loop:
             p = b.gep(wrow, [b.mul(b.add(b0_, loop.index), ir.Constant(I64, nbytes))])
+            prefetch(b, b.gep(p, [ahead]), nbytes)  # the next tile's row, read next
             o = b.mul(loop.index, ir.Constant(I64, per * 4))
             for off, v in emit(b, p, sc):
                 store_vec(b, v, b.gep(orow, [b.add(o, ir.Constant(I64, off * 4))]))
@@ -194,6 +197,7 @@ def _fused4(
             rows.append(byte_ptr(b, wa.data, b.mul(nr, wstride)))
             scales.append(b.load(b.gep(sa.data, [nr])))
         xrow = byte_ptr(b, xa.data, b.mul(m_, b.extract_value(xa.strides, 0)))
+        ahead = b.mul(ir.Constant(I64, 4), wstride)
         v8 = vec(F32, 8)
         accs = [cgutils.alloca_once(b, v8) for _ in range(8)]
         for a in accs:
@@ -202,6 +206,8 @@ def _fused4(
             blk = b.add(b0_, loop.index)
             xblk = b.gep(xrow, [b.mul(blk, ir.Constant(I64, per * 4))])
             for r in range(4):  # (two rows per pass measured slower: x read twice)
+                nxt = b.gep(rows[r], [b.add(b.mul(blk, ir.Constant(I64, nbytes)), ahead)])
+                prefetch(b, nxt, nbytes)  # the next tile's row
                 _fused_block(b, emit, rows[r], scales[r], blk, nbytes, xblk, accs[2 * r :])
         return context.make_tuple(b, ret, _sums(b, accs))
 
