@@ -21,7 +21,7 @@ from numba import literally, njit, prange, types
 from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
-from engine.kernels._ir import F32, FORMATS, I64, byte_ptr, prefetch, reduce_lanes
+from engine.kernels._ir import F32, FORMATS, I64, byte_ptr, prefetch
 from engine.kernels._ir_int import GROUP, GROUPED, INT_FORMATS, K_CODES, Acc, Acts
 
 # numba caches a frozen app's functions too (in the user cache, keyed by the executable)
@@ -195,7 +195,7 @@ def _itile(
             with cgutils.if_likely(b, valid[r]):
                 col = b.mul(b.add(n_, ir.Constant(I64, r)), ys1)
                 for i, a in enumerate(accs[r]):
-                    total = b.fadd(reduce_lanes(b, b.load(a.v)), b.load(a.s))
+                    total = a.total()
                     at = b.add(b.mul(b.add(m_, ir.Constant(I64, i)), ys0), col)
                     b.store(total, b.bitcast(byte_ptr(b, ya.data, at), ir.PointerType(F32)))
         return context.get_dummy_value()

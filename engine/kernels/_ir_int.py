@@ -43,6 +43,7 @@ from engine.kernels._ir import (
     fma,
     load_half,
     load_vec,
+    reduce_lanes,
     splat,
     vec,
 )
@@ -192,9 +193,19 @@ class Acc:
     def __init__(self, b: ir.IRBuilder) -> None:
         self.b = b
         self.v = cgutils.alloca_once(b, vec(F32, 8))
+        self.w = cgutils.alloca_once(b, vec(F32, 16))  # the K-quants' 512-bit path only
         self.s = cgutils.alloca_once(b, F32)
         b.store(ir.Constant(vec(F32, 8), [0.0] * 8), self.v)
+        b.store(ir.Constant(vec(F32, 16), [0.0] * 16), self.w)
         b.store(ir.Constant(F32, 0.0), self.s)
+
+    def total(self) -> ir.Value:
+        """The row's result: its lanes summed by fixed trees, then the scalar part."""
+        b = self.b
+        lanes = reduce_lanes(b, b.load(self.v))
+        if _wide():
+            lanes = b.fadd(lanes, reduce_lanes(b, b.load(self.w)))
+        return b.fadd(lanes, b.load(self.s))
 
     def add_int(self, isum: ir.Value, scale: ir.Value) -> None:
         b = self.b
@@ -519,10 +530,17 @@ def _int_k(
             sc32 = b.shuffle_vector(scales, scales, ir.Constant(vec(I32, 32), pick))
             for i, x in enumerate(xs):
                 sums[i] = _pairs_acc_wide(b, sums[i], u64, x.values64(64 * pair), sc32)
+    if wide:  # lanes 0-7: the values' sums, times d; lanes 8-15: the minimums', times -dmin
+        dd = _cat(b, splat(b, d, 8), splat(b, b.fneg(dmin), 8))
     for x, acc, isum in zip(xs, accs, sums, strict=True):
         xd = x.scale(0)
-        acc.add_int(_fold(b, isum) if wide else isum, b.fmul(d, xd))
         imin = pairs_i16(b, x.isums(), mins)
+        if wide:  # one conversion and one fma per row for both
+            both = b.sitofp(_cat(b, _fold(b, isum), imin), vec(F32, 16))
+            step = fma(b, both, b.fmul(dd, splat(b, xd, 16)), b.load(acc.w))
+            b.store(step, acc.w)
+            continue
+        acc.add_int(isum, b.fmul(d, xd))
         acc.add_int(imin, b.fneg(b.fmul(dmin, xd)))
 
 
