@@ -19,25 +19,19 @@ CHILD = """
 import sys
 import pytest
 from engine.kernels import _ir_int
-assert not _ir_int._vnni(), "VNNI should be hidden"
-assert {avx2_allowed} or not _ir_int._avx2(), "AVX2 should be hidden"
+{checks}
 args = ["-q", "-p", "no:cacheprovider", "tests/test_quant.py", "-k", "int8_activation"]
 sys.exit(pytest.main(args))
 """
 
 
-@pytest.mark.parametrize(
-    ("off", "want_avx2"),
-    [("avx512vnni,avxvnni", True), ("avx2,avx512vnni,avxvnni", False)],
-    ids=["avx2-path", "portable-path"],
-)
-def test_int8_kernels_without_the_faster_features(
-    off: str, want_avx2: bool, tmp_path: Path
-) -> None:
-    env = {**os.environ, "VEIL_CPU_FEATURES_OFF": off}
+def _product_test_in_child(checks: str, env_vars: dict[str, str], tmp_path: Path) -> None:
+    """Run the int8 product test (9 formats) in a child process with ``env_vars`` set and a
+    kernel cache of its own, after the child asserts ``checks`` (which path it takes)."""
+    env = {**os.environ, **env_vars}
     env["HOME"] = env["XDG_CACHE_HOME"] = str(tmp_path)  # a kernel cache of its own
     r = subprocess.run(
-        [sys.executable, "-c", CHILD.format(avx2_allowed=want_avx2)],
+        [sys.executable, "-c", CHILD.format(checks=checks)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -48,15 +42,19 @@ def test_int8_kernels_without_the_faster_features(
     assert "9 passed" in r.stdout, r.stdout[-3000:]
 
 
-WIDTH_CHILD = """
-import sys
-import pytest
-from engine.kernels import _ir_int
-assert _ir_int._vnni() and _ir_int._wide() == {wide}, "the forced width was not used"
-assert _ir_int.GROUP == {group}
-args = ["-q", "-p", "no:cacheprovider", "tests/test_quant.py", "-k", "int8_activation"]
-sys.exit(pytest.main(args))
-"""
+@pytest.mark.parametrize(
+    ("off", "want_avx2"),
+    [("avx512vnni,avxvnni", True), ("avx2,avx512vnni,avxvnni", False)],
+    ids=["avx2-path", "portable-path"],
+)
+def test_int8_kernels_without_the_faster_features(
+    off: str, want_avx2: bool, tmp_path: Path
+) -> None:
+    checks = (
+        'assert not _ir_int._vnni(), "VNNI should be hidden"\n'
+        f'assert {want_avx2} or not _ir_int._avx2(), "AVX2 should be hidden"'
+    )
+    _product_test_in_child(checks, {"VEIL_CPU_FEATURES_OFF": off}, tmp_path)
 
 
 def test_int8_kernels_at_the_other_vector_width(tmp_path: Path) -> None:
@@ -70,17 +68,9 @@ def test_int8_kernels_at_the_other_vector_width(tmp_path: Path) -> None:
         pytest.skip("this CPU has no VNNI: the AVX2 test above covers its int8 path")
     if not _ir_int._wide() and not cpu.can_wide_int8():
         pytest.skip("this CPU has only 256-bit VNNI, which tests/test_quant.py runs")
-    width = 256 if _ir_int._wide() else 512
-    env = {**os.environ, "VEIL_INT8_WIDTH": str(width)}
-    env["HOME"] = env["XDG_CACHE_HOME"] = str(tmp_path)
-    code = WIDTH_CHILD.format(wide=width == 512, group=8 if width == 512 else 4)
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
+    wide = not _ir_int._wide()
+    checks = (
+        f'assert _ir_int._vnni() and _ir_int._wide() == {wide}, "the width was not forced"\n'
+        f"assert _ir_int.GROUP == {8 if wide else 4}"
     )
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    assert "9 passed" in r.stdout, r.stdout[-3000:]
+    _product_test_in_child(checks, {"VEIL_INT8_WIDTH": "512" if wide else "256"}, tmp_path)

@@ -395,7 +395,14 @@ def _quant_cache_dir() -> str:
     the int8 kernels' vector width."""
     here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in ("_ir.py", "_ir_int.py", "_quant_mm.py", "_int_mm.py", "_fused_layer.py"):
+    for name in (
+        "_ir.py",
+        "_ir_int.py",
+        "_ir_kquant.py",
+        "_quant_mm.py",
+        "_int_mm.py",
+        "_fused_layer.py",
+    ):
         try:
             h.update((here / name).read_bytes())
         except OSError:  # a frozen app holds bytecode only: key by that

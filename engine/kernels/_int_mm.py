@@ -1,5 +1,6 @@
-"""Quantized matrix products with int8 activations (numba drivers around
-:mod:`engine.kernels._ir_int`; imported lazily, cached by numba).
+"""Quantized matrix products with int8 activations (numba drivers around the IR emitters of
+:mod:`engine.kernels._ir_int` and :mod:`engine.kernels._ir_kquant`; imported lazily, cached by
+numba).
 
 ``y = x @ dequant(w).T`` with ``x`` quantized per row first (blocks of 32,
 :func:`quantize_acts`; blocks of 256 for the K-quants, :func:`quantize_acts_k`), then every
@@ -22,7 +23,34 @@ from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
 from engine.kernels._ir import F32, FORMATS, I64, byte_ptr, prefetch
-from engine.kernels._ir_int import GROUP, GROUPED, INT_FORMATS, K_CODES, Acc, Acts
+from engine.kernels._ir_int import (
+    GROUP,
+    GROUPED,
+    Acc,
+    Acts,
+    IntEmitter,
+    dec_int8,
+    dec_q4_0,
+    dec_q4_1,
+    dec_q5_0,
+    dec_q5_1,
+    dec_q8_0,
+    single,
+)
+from engine.kernels._ir_kquant import K_CODES, int_q4_k, int_q5_k, int_q6_k
+
+# one block against every activation row, by format code (engine.kernels._ir.CODES)
+INT_FORMATS: tuple[IntEmitter, ...] = (
+    single(dec_q8_0),
+    single(dec_q4_0),
+    single(dec_q4_1),
+    int_q4_k,
+    int_q6_k,
+    single(dec_int8),
+    single(dec_q5_0),
+    single(dec_q5_1),
+    int_q5_k,
+)
 
 # numba caches a frozen app's functions too (in the user cache, keyed by the executable)
 CACHE = True

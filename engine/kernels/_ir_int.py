@@ -2,7 +2,8 @@
 
 The activations of a row are quantized per block of 32 (int8 values, a float32 scale, and the
 integer sum of the block, for the formats' offsets and minimums), or per block of 256 for the
-K-quants (:data:`K_CODES`: integer sums of every 16), the way llama.cpp multiplies its blocks.
+K-quants (:mod:`engine.kernels._ir_kquant`: integer sums of every 16), the way llama.cpp
+multiplies its blocks.
 32 byte products are then one instruction where the host has AVX512-VNNI or AVX-VNNI
 (``vpdpbusd``) and two on AVX2 (``vpmaddubsw``: unsigned weight bytes times signed activation
 bytes, pairs summed to 16 bits; ``vpmaddwd``: pairs summed to 32 bits), about a quarter of the
@@ -12,8 +13,8 @@ in portable IR (exact integers every way, so all give the same bits).
 The per-32 formats go four blocks at a time with weights and activations interleaved in 4-byte
 groups (:func:`interleave`), so one accumulator's lanes hold the four blocks' dots: their
 scales are applied lane by lane, with no horizontal adds and one conversion to float per four
-blocks. (The same 8-way interleave for a K-quant super-block's sub-blocks measured slower on a
-Zen 4 than the scale-in-the-pair-sums form kept below.)
+blocks (eight at a time with 512-bit vectors, :func:`grouped_wide`). This module holds the
+building blocks shared with the K-quant emitters and the per-32 formats' emitters.
 
 Each emitter decodes a weight block once and adds its contribution to several activation rows'
 accumulators (one ``Acc`` per row): ``acc_v`` (8 floats, integer partial sums times the product
@@ -149,18 +150,11 @@ def acc_pairs(b: ir.IRBuilder, acc: ir.Value, p16: ir.Value, w16: ir.Value) -> i
     return b.add(acc, _pairs(b, b.mul(b.sext(p16, vec(I32, 16)), b.sext(w16, vec(I32, 16)))))
 
 
-K_CODES = frozenset((3, 4, 8))  # q4_k, q6_k, q5_k: activations in blocks of 256 (Q8_K)
-"""Formats whose activations are quantized per block of 256 (one scale per super-block, and
-integer sums of every 16 values), as llama.cpp's Q8_K does for the K-quants: a super-block's
-sub-block products are then scaled and added in integers and converted to float once, instead
-of once per 32 values, and its minimums or offsets meet the activations' sums in one product.
-For these formats ``Acts.d`` points at the per-256 scales and ``Acts.s`` at int16 sums."""
-
-
 class Acts:
     """Pointers to one activation row's quantized form at a block: int8 values ``q``, the
-    scales ``d`` (per 32, or per 256 for :data:`K_CODES`) and the integer sums ``s`` (int32 of
-    every 32 values, or int16 of every 16 for :data:`K_CODES`), all at element offsets."""
+    scales ``d`` (per 32, or per 256 for the K-quants, :data:`engine.kernels._ir_kquant.K_CODES`)
+    and the integer sums ``s`` (int32 of every 32 values, or int16 of every 16 for the
+    K-quants), all at element offsets."""
 
     def __init__(self, b: ir.IRBuilder, q: ir.Value, d: ir.Value, s: ir.Value) -> None:
         self.b, self.q, self.d, self.s = b, q, d, s
@@ -183,7 +177,7 @@ class Acts:
 
     def isums(self) -> ir.Value:
         """<16 x i16>: the integer sums of a super-block's sixteen 16-value groups
-        (:data:`K_CODES` only; ``s`` points at the super-block's first)."""
+        (the K-quants only; ``s`` points at the super-block's first)."""
         return load_vec(self.b, self.s, I16, 16)
 
 
@@ -316,6 +310,19 @@ def single(dec: Decoder) -> IntEmitter:
     return emit
 
 
+def _cat(b: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
+    """Two vectors of n lanes -> one of 2n (lo's lanes first)."""
+    n = lo.type.count
+    return b.shuffle_vector(lo, hi, ir.Constant(vec(I32, 2 * n), list(range(2 * n))))
+
+
+def _fold(b: ir.IRBuilder, v16: ir.Value) -> ir.Value:
+    """<16 x i32> -> <8 x i32>: lanes i and i + 8 added (exact integers)."""
+    low = ir.Constant(vec(I32, 8), list(range(8)))
+    high = ir.Constant(vec(I32, 8), list(range(8, 16)))
+    return b.add(b.shuffle_vector(v16, v16, low), b.shuffle_vector(v16, v16, high))
+
+
 GROUP = 8 if _wide() else 4
 """Blocks of 32 per step of the grouped emitters: 8 with 512-bit VNNI (:func:`grouped_wide`),
 else 4 (:func:`grouped`). ``quantize_acts`` stores the activations in the matching order."""
@@ -363,6 +370,32 @@ def _twice(b: ir.IRBuilder, v4: ir.Value) -> ir.Value:
     return b.shuffle_vector(v4, v4, ir.Constant(vec(I32, 8), [0, 1, 2, 3] * 2))
 
 
+def _lanes(b: ir.IRBuilder, values: Sequence[ir.Value], n: int) -> ir.Value:
+    """<n x float>: ``values`` in the first lanes, zeros after."""
+    v = ir.Constant(vec(F32, n), [0.0] * n)
+    for j, x in enumerate(values):
+        v = b.insert_element(v, x, ir.Constant(I32, j))
+    return v
+
+
+def _scale_into(
+    b: ir.IRBuilder,
+    acc: Acc,
+    h: ir.Value,
+    ws8: ir.Value,
+    xd8: ir.Value,
+    mins8: ir.Value | None,
+    sums8: ir.Value | None,
+) -> None:
+    """acc.v += blocks' integer sums ``h`` <8 x i32> x (weight x activation scales), then
+    (formats with minimums) + minimums x the activations' dequantized sums, lane by lane."""
+    v = fma(b, b.sitofp(h, vec(F32, 8)), b.fmul(ws8, xd8), b.load(acc.v))
+    if mins8 is not None:
+        assert sums8 is not None
+        v = fma(b, b.fmul(mins8, xd8), b.sitofp(sums8, vec(F32, 8)), v)
+    b.store(v, acc.v)
+
+
 def grouped(dec: Decoder) -> GroupEmitter:
     """:data:`GROUP` blocks of 32 against every activation row, their scales applied together:
     with the weights and activations interleaved (:func:`interleave`), four ``vpdpbusd`` leave
@@ -382,15 +415,8 @@ def grouped(dec: Decoder) -> GroupEmitter:
     ) -> None:
         blks = [dec(b, p, scale) for p in ps]
         chunks = interleave(b, [blk.w for blk in blks])
-        ws = ir.Constant(vec(F32, 4), ir.Undefined)
-        for j, blk in enumerate(blks):
-            ws = b.insert_element(ws, blk.d, ir.Constant(I32, j))
-        ws8 = _twice(b, ws)
-        mins8 = None
-        if blks[0].mn is not None:
-            mins8 = ir.Constant(vec(F32, 8), [0.0] * 8)
-            for j, blk in enumerate(blks):
-                mins8 = b.insert_element(mins8, blk.mn, ir.Constant(I32, j))
+        ws8 = _twice(b, _lanes(b, [blk.d for blk in blks], 4))
+        mins8 = _lanes(b, [blk.mn for blk in blks], 8) if blks[0].mn is not None else None
         ioff = blks[0].ioff
         zero4 = ir.Constant(vec(I32, 4), [0] * 4)
         for x, acc in zip(xs, accs, strict=True):
@@ -402,11 +428,7 @@ def grouped(dec: Decoder) -> GroupEmitter:
             for c, chunk in enumerate(chunks):
                 h = blks[0].acc(b, h, chunk, x.values(32 * c))
             xd8 = _twice(b, load_vec(b, x.d, F32, 4))
-            v = fma(b, b.sitofp(h, vec(F32, 8)), b.fmul(ws8, xd8), b.load(acc.v))
-            if mins8 is not None:
-                assert sums8 is not None
-                v = fma(b, b.fmul(mins8, xd8), b.sitofp(sums8, vec(F32, 8)), v)
-            b.store(v, acc.v)
+            _scale_into(b, acc, h, ws8, xd8, mins8, sums8)
 
     return emit
 
@@ -429,200 +451,28 @@ def grouped_wide(dec: Decoder) -> GroupEmitter:
         blks = [dec(b, p, scale) for p in ps]
         assert not any(blk.signed for blk in blks)  # with VNNI every block is unsigned
         chunks = interleave8(b, [blk.w for blk in blks])
-        ws8 = ir.Constant(vec(F32, 8), ir.Undefined)
-        for j, blk in enumerate(blks):
-            ws8 = b.insert_element(ws8, blk.d, ir.Constant(I32, j))
-        mins8 = None
-        if blks[0].mn is not None:
-            mins8 = ir.Constant(vec(F32, 8), ir.Undefined)
-            for j, blk in enumerate(blks):
-                mins8 = b.insert_element(mins8, blk.mn, ir.Constant(I32, j))
+        ws8 = _lanes(b, [blk.d for blk in blks], 8)
+        mins8 = _lanes(b, [blk.mn for blk in blks], 8) if blks[0].mn is not None else None
         ioff = blks[0].ioff
         zero16 = ir.Constant(vec(I32, 16), [0] * 16)
-        low = ir.Constant(vec(I32, 8), list(range(8)))
-        high = ir.Constant(vec(I32, 8), list(range(8, 16)))
         for x, acc in zip(xs, accs, strict=True):
             h16 = zero16
             for c, chunk in enumerate(chunks):
                 xv = b.bitcast(x.values64(64 * c), vec(I32, 16))
                 h16 = _x86(b, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [h16, chunk, xv])
-            h = b.add(b.shuffle_vector(h16, h16, low), b.shuffle_vector(h16, h16, high))
+            h = _fold(b, h16)
             sums8 = None
             if ioff or mins8 is not None:  # the eight blocks' integer sums
                 sums8 = load_vec(b, x.s, I32, 8)
                 if ioff:
                     h = b.add(h, b.mul(sums8, const_vec(I32, 8, ioff)))
-            xd8 = load_vec(b, x.d, F32, 8)
-            v = fma(b, b.sitofp(h, vec(F32, 8)), b.fmul(ws8, xd8), b.load(acc.v))
-            if mins8 is not None:
-                assert sums8 is not None
-                v = fma(b, b.fmul(mins8, xd8), b.sitofp(sums8, vec(F32, 8)), v)
-            b.store(v, acc.v)
+            _scale_into(b, acc, h, ws8, load_vec(b, x.d, F32, 8), mins8, sums8)
 
     return emit
 
 
-def pairs_i16(b: ir.IRBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
-    """<16 x i16> a, c -> <8 x i32>: lane j = a[2j] * c[2j] + a[2j + 1] * c[2j + 1]
-    (``vpmaddwd``)."""
-    if _avx2():
-        return _x86(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [a, c])
-    return _pairs(b, b.mul(b.sext(a, vec(I32, 16)), b.sext(c, vec(I32, 16))))
-
-
-def _cat(b: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
-    """Two vectors of n lanes -> one of 2n (lo's lanes first)."""
-    n = lo.type.count
-    return b.shuffle_vector(lo, hi, ir.Constant(vec(I32, 2 * n), list(range(2 * n))))
-
-
-def _pairs_acc_wide(
-    b: ir.IRBuilder, acc: ir.Value, u: ir.Value, x: ir.Value, w: ir.Value
-) -> ir.Value:
-    """The 512-bit :func:`pairs_u8s8` then :func:`acc_pairs`: acc <16 x i32> + pair sums of
-    (u <64 x i8> unsigned x x <64 x i8> signed, 16-bit pair sums) times w <32 x i16>."""
-    p = _x86(b, "llvm.x86.avx512.pmaddubs.w.512", vec(I16, 32), [u, x])
-    args = [acc, b.bitcast(p, vec(I32, 16)), b.bitcast(w, vec(I32, 16))]
-    return _x86(b, "llvm.x86.avx512.vpdpwssd.512", vec(I32, 16), args)
-
-
-def _fold(b: ir.IRBuilder, v16: ir.Value) -> ir.Value:
-    """<16 x i32> -> <8 x i32>: lanes i and i + 8 added (exact integers)."""
-    low = ir.Constant(vec(I32, 8), list(range(8)))
-    high = ir.Constant(vec(I32, 8), list(range(8, 16)))
-    return b.add(b.shuffle_vector(v16, v16, low), b.shuffle_vector(v16, v16, high))
-
-
-def _int_k(
-    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], five: bool
-) -> None:
-    """Q4_K/Q5_K super-block against per-256 activations, in integers per row pair: the
-    values' products times their sub-block's 6-bit scale (``vpmaddubsw`` then ``vpdpwssd``;
-    with :func:`_wide` two sub-blocks per 512-bit instruction), summed over the super-block
-    in int32 lanes (exact: at most ~8 M); the minimums times the activations' 16-value sums
-    (one ``vpmaddwd`` per row); then converted and scaled once. The integer sums are the same
-    on every path, so every path gives the same bits."""
-    d = load_half(b, p)
-    dmin = load_half(b, byte_ptr(b, p, 2))
-    scales, mins = _k4_scales_mins(b, byte_ptr(b, p, 4))
-    qh = load_vec(b, byte_ptr(b, p, 16), I8, 32) if five else None
-    qs = 48 if five else 16
-    wide = _wide()
-    zero = ir.Constant(vec(I32, 16 if wide else 8), [0] * (16 if wide else 8))
-    sums = [zero for _ in xs]
-    for pair in range(4):
-        lo, hi = _nibbles(b, byte_ptr(b, p, qs + 32 * pair), 32)
-        us = []
-        for half, u in ((0, lo), (1, hi)):
-            j = 2 * pair + half
-            if qh is not None:
-                top = b.and_(b.lshr(qh, const_vec(I8, 32, j)), const_vec(I8, 32, 1))
-                u = b.or_(u, b.shl(top, const_vec(I8, 32, 4)))
-            if wide:
-                us.append(u)
-                continue
-            sc16 = b.shuffle_vector(scales, scales, ir.Constant(vec(I32, 16), [j] * 16))
-            for i, x in enumerate(xs):
-                sums[i] = acc_pairs(b, sums[i], pairs_u8s8(b, u, x.values(32 * j)), sc16)
-        if wide:  # sub-blocks 2 * pair and 2 * pair + 1 in one 512-bit step per row
-            u64 = _cat(b, us[0], us[1])
-            pick = [2 * pair] * 16 + [2 * pair + 1] * 16
-            sc32 = b.shuffle_vector(scales, scales, ir.Constant(vec(I32, 32), pick))
-            for i, x in enumerate(xs):
-                sums[i] = _pairs_acc_wide(b, sums[i], u64, x.values64(64 * pair), sc32)
-    if wide:  # lanes 0-7: the values' sums, times d; lanes 8-15: the minimums', times -dmin
-        dd = _cat(b, splat(b, d, 8), splat(b, b.fneg(dmin), 8))
-    for x, acc, isum in zip(xs, accs, sums, strict=True):
-        xd = x.scale(0)
-        imin = pairs_i16(b, x.isums(), mins)
-        if wide:  # one conversion and one fma per row for both
-            both = b.sitofp(_cat(b, _fold(b, isum), imin), vec(F32, 16))
-            step = fma(b, both, b.fmul(dd, splat(b, xd, 16)), b.load(acc.w))
-            b.store(step, acc.w)
-            continue
-        acc.add_int(isum, b.fmul(d, xd))
-        acc.add_int(imin, b.fneg(b.fmul(dmin, xd)))
-
-
-def _k4_scales_mins(b: ir.IRBuilder, s: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """Q4_K/Q5_K's 12 packed bytes at ``s`` -> (<16 x i16> with the 8 sub-block scales in
-    lanes 0-7, <16 x i16> [m0, m0, m1, m1, ..., m7, m7]): the 6-bit fields unpacked four at a
-    time in 32-bit words (the values of :func:`engine.kernels._ir._k4_scale_min`)."""
-    word = ir.PointerType(I32)
-    u = [b.load(b.bitcast(byte_ptr(b, s, 4 * i), word), align=1) for i in range(3)]
-
-    def c(v: int) -> ir.Constant:
-        return ir.Constant(I32, v)
-
-    low6, low4, top2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
-    sc_lo = b.and_(u[0], low6)  # scales 0-3
-    mn_lo = b.and_(u[1], low6)  # mins 0-3
-    sc_hi = b.or_(b.and_(u[2], low4), b.shl(b.and_(b.lshr(u[0], c(6)), top2), c(4)))
-    mn_hi = b.or_(b.and_(b.lshr(u[2], c(4)), low4), b.shl(b.and_(b.lshr(u[1], c(6)), top2), c(4)))
-    words = ir.Constant(vec(I32, 4), ir.Undefined)
-    for i, w in enumerate((sc_lo, sc_hi, mn_lo, mn_hi)):
-        words = b.insert_element(words, w, ir.Constant(I32, i))
-    both = b.zext(b.bitcast(words, vec(I8, 16)), vec(I16, 16))  # scales 0-7, mins 0-7
-    pairs = [8 + i // 2 for i in range(16)]
-    return both, b.shuffle_vector(both, both, ir.Constant(vec(I32, 16), pairs))
-
-
-def int_q4_k(
-    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
-) -> None:
-    _int_k(b, p, xs, accs, five=False)
-
-
-def int_q5_k(
-    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
-) -> None:
-    _int_k(b, p, xs, accs, five=True)
-
-
-def int_q6_k(
-    b: ir.IRBuilder, p: ir.Value, xs: Sequence[Acts], accs: Sequence[Acc], scale: ir.Value
-) -> None:
-    """Q6_K super-block against per-256 activations: the unsigned values (q + 32, 0..63)
-    times the activations, pairs times their 16-value block's int8 scale, summed over the
-    super-block in int32 lanes; minus 32 x (scales times the activations' 16-value sums, one
-    ``vpmaddwd``); then converted and scaled once per row pair."""
-    d = load_half(b, byte_ptr(b, p, 208))
-    sc = byte_ptr(b, p, 192)
-    three, fifteen = const_vec(I8, 32, 3), const_vec(I8, 32, 15)
-    wide = _wide()
-    sums = [ir.Constant(vec(I32, 16 if wide else 8), [0] * (16 if wide else 8)) for _ in xs]
-    scales = b.sext(load_vec(b, sc, I8, 16), vec(I16, 16))  # the 16 block scales
-    for h in range(2):
-        ql0 = load_vec(b, byte_ptr(b, p, 64 * h), I8, 32)
-        ql1 = load_vec(b, byte_ptr(b, p, 64 * h + 32), I8, 32)
-        qh = load_vec(b, byte_ptr(b, p, 128 + 32 * h), I8, 32)
-        us, s16s = [], []
-        for c in range(4):
-            low = ql0 if c % 2 == 0 else ql1
-            low = b.and_(low, fifteen) if c < 2 else b.lshr(low, const_vec(I8, 32, 4))
-            high = b.and_(b.lshr(qh, const_vec(I8, 32, 2 * c)), three)
-            u = b.or_(low, b.shl(high, const_vec(I8, 32, 4)))  # q + 32, 0..63
-            first = 128 * h + 32 * c
-            k = 8 * h + 2 * c  # the first of this 32's two 16-value blocks
-            s16 = b.shuffle_vector(scales, scales, ir.Constant(vec(I32, 16), [k] * 8 + [k + 1] * 8))
-            if wide:  # two 32s per 512-bit step per row
-                us.append(u)
-                s16s.append(s16)
-                if c % 2:
-                    u64, s32 = _cat(b, us[0], us[1]), _cat(b, s16s[0], s16s[1])
-                    us, s16s = [], []
-                    for i, x in enumerate(xs):
-                        sums[i] = _pairs_acc_wide(b, sums[i], u64, x.values64(first - 32), s32)
-                continue
-            for i, x in enumerate(xs):
-                sums[i] = acc_pairs(b, sums[i], pairs_u8s8(b, u, x.values(first)), s16)
-    for x, acc, isum in zip(xs, accs, sums, strict=True):
-        offset = b.shl(pairs_i16(b, x.isums(), scales), const_vec(I32, 8, 5))  # 32 x ...
-        total = _fold(b, isum) if wide else isum
-        acc.add_int(b.sub(total, offset), b.fmul(d, x.scale(0)))
-
-
-# by format code (engine.kernels._ir.CODES); None: the format has no grouped emitter
+# by format code (engine.kernels._ir.CODES): the per-32 formats' decoders, which also have a
+# grouped emitter (the K-quants' emitters are in engine.kernels._ir_kquant)
 DECODERS: dict[int, Decoder] = {
     0: dec_q8_0,
     1: dec_q4_0,
@@ -631,15 +481,4 @@ DECODERS: dict[int, Decoder] = {
     6: dec_q5_0,
     7: dec_q5_1,
 }
-INT_FORMATS: tuple[IntEmitter, ...] = (
-    single(dec_q8_0),
-    single(dec_q4_0),
-    single(dec_q4_1),
-    int_q4_k,
-    int_q6_k,
-    single(dec_int8),
-    single(dec_q5_0),
-    single(dec_q5_1),
-    int_q5_k,
-)
 GROUPED: dict[int, GroupEmitter] = {code: grouped(dec) for code, dec in DECODERS.items()}
