@@ -24,6 +24,7 @@ COMMANDS = {
     "generate": "app.cmd_generate",
 }
 OPTIONAL_COMMANDS = {
+    "api": "app.cmd_api",
     "bench": "app.cmd_bench",
     "audit": "app.cmd_audit",
     "privatize": "app.cmd_privatize",

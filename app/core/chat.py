@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from app.core.engine_host import CONNECTED, LOCAL, OFFLINE, EngineHost
@@ -53,6 +54,10 @@ class ChatController:
         self._task: Task | None = None
         self._streaming: Message | None = None
         self._last_save = 0.0
+        # documents (app/core/documents): (conv_id, messages, tokenizer, prompt limit, progress)
+        # -> (messages with the passages put in, the sources used); None: chats have no files
+        self.sources_for: Callable[..., tuple[list[dict[str, str]], list[dict[str, Any]]]] | None
+        self.sources_for = None
         # events (called on the GUI thread)
         self.conversations_changed = Event()  # ()
         self.conversation_opened = Event()  # (conv_id | None)
@@ -232,6 +237,8 @@ class ChatController:
         self._streaming = reply
         params = self.settings.sampling()
         host = self.host
+        sources_for = self.sources_for
+        used: list[dict[str, Any]] = []
 
         def work(ctx: TaskContext) -> tuple[GenerationResult, str]:
             runner = host.ensure_ready_blocking(ctx.progress)
@@ -239,7 +246,11 @@ class ChatController:
             tok = runner.client.tokenizer
             start = [int(i) for i in tok.encode(before, add_special_tokens=False)] if before else []
             limit = cfg.max_position_embeddings - min(params.max_new_tokens, 1024) - len(start)
-            ids = fit_history(tok, history, max(limit, 16)) + start
+            msgs = history
+            if sources_for is not None:
+                msgs, found = sources_for(conv_id, history, tok, max(limit, 16), ctx.progress)
+                used.extend(found)
+            ids = fit_history(tok, msgs, max(limit, 16)) + start
             result = host.generate_blocking(
                 ids, params, on_text=ctx.text, cancel=ctx.cancel, report=ctx.report
             )
@@ -259,7 +270,10 @@ class ChatController:
         def on_done(out: tuple[GenerationResult, str]) -> None:
             result, text = out
             reply.finish_reason = result.finish_reason
+            kept = reply.stats.get("sources") if extend is not None else None
             reply.stats = result.stats.to_dict()
+            if used or kept:
+                reply.stats["sources"] = used or kept
             reply.content = text
             self.store.update_message(reply.id, reply.content, result.finish_reason, reply.stats)
             self.message_updated.emit(reply)
