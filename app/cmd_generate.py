@@ -119,6 +119,14 @@ def add_parser(sub: Any) -> None:
         help="learned draft head for the speculative decoder: auto (the one shipped for this "
         "model, if any; default), none, or a file made by `veil train-draft`",
     )
+    p.add_argument(
+        "--attach",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a document (PDF, .docx, .odt, .txt, .md) the reply should use; its passages that "
+        "fit the model's context go into the prompt, numbered for citing (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
@@ -164,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "insecure", False) and not args.server:
         raise GenerationError("--insecure needs --server tcp://127.0.0.1:PORT")
     progress = CliProgress()
+    attached = _read_attachments(args.attach, progress) if args.attach else None
     t0 = time.perf_counter()
     if getattr(args, "int8_activations", False):
         kernels.set_int8_activations(True)
@@ -171,7 +180,11 @@ def run(args: argparse.Namespace) -> int:
     progress.close()
     load_s = time.perf_counter() - t0
     head_name = _use_draft_head(runner, args)
-    ids = prompt_ids(runner.client.tokenizer, messages_for(args.prompt, args.system))
+    messages = messages_for(args.prompt, args.system)
+    sources: list[Any] = []
+    if attached is not None:
+        messages, sources = _with_attachments(attached, messages, runner, params)
+    ids = prompt_ids(runner.client.tokenizer, messages)
 
     def stream(delta: str) -> None:
         sys.stdout.write(delta)
@@ -223,6 +236,10 @@ def run(args: argparse.Namespace) -> int:
         "draft_ms_per_round": round(st.draft_ms_per_round, 3),
         "draft_head": head_name,
     }
+    if attached is not None:
+        out["sources"] = [
+            {"n": s.n, "file": s.path, "page": s.page, "paragraph": s.para} for s in sources
+        ]
     extra = getattr(runner.trunk, "json_stats", None)
     if callable(extra):
         out.update(extra())
@@ -246,3 +263,40 @@ def _use_draft_head(runner: Any, args: argparse.Namespace) -> str | None:
         raise
     head = draft_head_of(runner)
     return str(head.path) if head is not None and head.path else None
+
+
+def _read_attachments(paths: list[str], progress: CliProgress) -> tuple[Any, int]:
+    """Read ``--attach`` files into an index that lives only in this process."""
+    from app.core.documents.extract import DocumentError
+    from app.core.documents.index import DocIndex
+
+    index = DocIndex.in_memory()
+    matter = index.create_matter("attached")
+    index.add_paths(matter, paths)
+    report = index.sync(matter, progress)
+    progress.close()
+    if report.failed:
+        raise DocumentError(report.failed[0][1])
+    return index, matter
+
+
+def _with_attachments(
+    attached: tuple[Any, int], messages: list[Any], runner: Any, params: SamplingParams
+) -> tuple[list[Any], list[Any]]:
+    """The prompt with the attached files' passages that fit; says on stderr which were used."""
+    from app.core.documents.context import with_sources
+
+    index, matter = attached
+    limit = runner.client.config.max_position_embeddings - params.max_new_tokens
+    messages, sources = with_sources(index, matter, messages, runner.client.tokenizer, limit)
+    if sources:
+        used = ", ".join(f"[{s.n}] {s.label()}" for s in sources)
+        print(f"veil: using {len(sources)} passage(s): {used}", file=sys.stderr, flush=True)
+    else:
+        print(
+            "veil: warning: no room for the attached files in this model's context "
+            "(lower --max-new-tokens)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return messages, sources

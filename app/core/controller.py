@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from app.core import audit_info, problems
+from app.core.api_host import ApiService
 from app.core.chat import ChatController
+from app.core.documents.controller import DocumentsController
+from app.core.documents.index import DocIndex
 from app.core.drafting import DraftingController
 from app.core.engine_host import (
     CONNECTED,
@@ -54,6 +57,7 @@ class AppController:
         executor: Executor,
         folder: str | os.PathLike[str] | None = None,
         settings: Settings | None = None,
+        doc_executor: Executor | None = None,
     ) -> None:
         self.folder: Path = data_dir(folder)
         # the audit store reads VEIL_DATA_DIR; keep it pointing at the same folder
@@ -65,6 +69,12 @@ class AppController:
         self.executor = executor
         self.chat = ChatController(self.store, self.host, executor, s)
         self.drafting = DraftingController(self.store, self.host, executor, s)
+        # files read on their own thread (doc_executor), so attaching never waits for a reply
+        self.documents = DocumentsController(
+            DocIndex.open(self.folder), self.chat, doc_executor or executor
+        )
+        self.api = ApiService(self.host, s)
+        self.api_changed = Event()  # (VeilError | None) the API started, stopped or failed
         self.gauge_state = GaugeState()
         self.gauges_changed = Event()  # (GaugeState)
         self.config_loaded = Event()  # ()  n_layers known: the slider can be set up
@@ -97,6 +107,7 @@ class AppController:
             setattr(s, name, value)
         self.save_settings()
         self._resolve(problems.INVITE, problems.SETTINGS)
+        self.sync_api()
         host = self.host
         if _where(s.model, s.mode, s.invite) == _where(host.model, host.mode, host.invite):
             if reconnect and host.state == OFFLINE:
@@ -137,6 +148,15 @@ class AppController:
         new = copy.copy(self.settings)
         new.first_run_done, new.mode, new.invite = True, MODE_SERVER, invite
         self.apply_settings(new)
+
+    def sync_api(self) -> None:
+        """Start or stop "Let other programs use Veil" as the settings say."""
+        try:
+            self.api.sync()
+        except VeilError as exc:
+            self.api_changed.emit(exc)
+            return
+        self.api_changed.emit(None)
 
     # --- split / privacy ----------------------------------------------------------------------
 
@@ -316,5 +336,7 @@ class AppController:
         """Stop work, stop the demo server, close the database."""
         self.chat.stop()
         self.drafting.stop()
+        self.api.stop()
         self.host.shutdown_blocking()
+        self.documents.index.close()
         self.store.close()

@@ -51,6 +51,10 @@ class Settings:
     system_prompt: str = PRESETS["Helpful assistant"]
     device: str = "cpu"
     dtype: str = "float32"
+    # "Let other programs use Veil" (app/core/api_host.py): off until switched on in Settings
+    api_enabled: bool = False
+    api_port: int = 8000
+    api_token: str = ""
 
     def validate(self, check_invite: bool = True) -> None:
         """Raise :class:`VeilError` for the first bad value. ``check_invite=False`` only checks
@@ -72,6 +76,8 @@ class Settings:
             raise VeilError("font size must be between 6 and 32 points")
         if self.local_layers < 1:
             raise VeilError("at least one layer must run on this computer")
+        if not 1 <= int(self.api_port) <= 65535:
+            raise VeilError(f"the API port {self.api_port} is not a port number (1 to 65535)")
         self.sampling().validate()
 
     def sampling(

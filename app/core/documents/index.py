@@ -176,10 +176,11 @@ class DocIndex:
         self.path = path
         self._lock = threading.RLock()
         self._sync_lock = threading.Lock()  # one sync at a time (the app's two threads)
+        memory = str(path) == ":memory:"
         try:
-            if os.name == "posix" and not path.exists():
+            if os.name == "posix" and not memory and not path.exists():
                 os.close(os.open(path, os.O_CREAT | os.O_WRONLY, PRIVATE_FILE))
-            for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            for p in () if memory else (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
                 make_private(p)
             self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self.db.row_factory = sqlite3.Row
@@ -192,6 +193,11 @@ class DocIndex:
     @classmethod
     def open(cls, folder: Path) -> DocIndex:
         return cls(folder / INDEX_FILE)
+
+    @classmethod
+    def in_memory(cls) -> DocIndex:
+        """An index that lives only as long as this process (`veil generate --attach`)."""
+        return cls(Path(":memory:"))
 
     def close(self) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,14 @@ from app.core.storage import PRIVATE_FILE
 from engine.errors import VeilError
 
 MONO = "Consolas"
+# characters Word's XML cannot hold (control characters a model or a PDF may produce)
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def xml_safe(text: str) -> str:
+    return _NOT_XML.sub("", text)
+
+
 MAX_LIST_DEPTH = 3  # Word's built-in list styles: "List Bullet", "List Bullet 2", "... 3"
 
 
@@ -89,7 +98,7 @@ class _Writer:
                 self._table(self.table)
                 self.table = None
             elif kind == "html_block":
-                self.doc.add_paragraph(t.content.strip())
+                self.doc.add_paragraph(xml_safe(t.content.strip()))
             i += 1
 
     def _paragraph(self) -> Any:
@@ -131,7 +140,7 @@ class _Writer:
         p = self.doc.add_paragraph()
         lines = text.rstrip("\n").split("\n")
         for n, line in enumerate(lines):
-            run = p.add_run(line)
+            run = p.add_run(xml_safe(line))
             run.font.name = MONO
             if n < len(lines) - 1:
                 run.add_break()
@@ -166,10 +175,10 @@ class _Writer:
                 link = str(c.attrs.get("href", ""))
             elif kind == "link_close":
                 if link and not link.startswith("#"):
-                    p.add_run(f" ({link})")
+                    p.add_run(xml_safe(f" ({link})"))
                 link = None
             elif kind in ("text", "code_inline", "html_inline"):
-                run = p.add_run(c.content)
+                run = p.add_run(xml_safe(c.content))
                 run.bold = strong > 0 or None
                 run.italic = em > 0 or None
                 if kind == "code_inline":
@@ -177,7 +186,7 @@ class _Writer:
             elif kind in ("softbreak", "hardbreak"):
                 p.add_run().add_break()  # the writer's own line breaks are kept
             elif kind == "image":
-                p.add_run(c.content or "[image]")
+                p.add_run(xml_safe(c.content) or "[image]")
 
 
 def markdown_to_docx(doc: Any, markdown: str) -> None:
@@ -190,7 +199,7 @@ def new_document(title: str = "") -> Any:
 
     doc = docx.Document()
     if title:
-        doc.core_properties.title = title
+        doc.core_properties.title = xml_safe(title)
     return doc
 
 
@@ -223,7 +232,7 @@ def document_docx(title: str, body: str, path: Path) -> None:
     """A drafting document as .docx: its name as the title heading, the text as Markdown."""
     doc = new_document(title)
     if title and not body.lstrip().startswith("#"):
-        doc.add_heading(title, level=1)
+        doc.add_heading(xml_safe(title), level=1)
     markdown_to_docx(doc, body)
     save_docx(doc, path)
 
@@ -317,3 +326,33 @@ def _plain_inline(token: Any) -> str:
 def html(markdown: str) -> str:
     """The same Markdown as HTML (what a word processor pastes with its formatting)."""
     return str(_parser().render(markdown))
+
+
+def chat_docx(store: Any, conv_id: int, path: Path) -> None:
+    """A chat as .docx: its title, the assistant style, then each message under "You" or
+    "Veil" in bold, a reply's sources listed after it."""
+    conv = store.conversation(conv_id)
+    if conv is None:
+        raise VeilError("that chat no longer exists")
+    doc = new_document(xml_safe(conv.title))
+    doc.add_heading(xml_safe(conv.title), level=1)
+    if conv.system_prompt:
+        p = doc.add_paragraph()
+        p.add_run(xml_safe(f"Assistant style: {conv.system_prompt}")).italic = True
+    names = {"user": "You", "assistant": "Veil"}
+    for m in store.messages(conv_id):
+        doc.add_paragraph().add_run(names.get(m.role, m.role.title())).bold = True
+        markdown_to_docx(doc, m.content)
+        sources = (m.stats or {}).get("sources") or []
+        if sources:
+            p = doc.add_paragraph()
+            p.add_run("Sources: ").italic = True
+            used = "; ".join(f"[{s.get('n')}] {_label(s)}" for s in sources)
+            p.add_run(xml_safe(used)).italic = True
+    save_docx(doc, path)
+
+
+def _label(s: dict[str, Any]) -> str:
+    from app.core.documents.context import Source
+
+    return Source.from_dict(s).label()
