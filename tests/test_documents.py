@@ -357,8 +357,8 @@ def test_document_export_docx_private_and_word_friendly(tmp_path: Path) -> None:
         assert out.stat().st_mode & 0o777 == 0o600
     assert not list(tmp_path.glob(".*.tmp"))
     document_docx("Odd", "a model wrote \x00 and \x0b here", tmp_path / "odd.docx")
-    assert (
-        docx.Document(str(tmp_path / "odd.docx")).paragraphs[1].text == "a model wrote  and  here"
+    assert docx.Document(str(tmp_path / "odd.docx")).paragraphs[1].text == (
+        "a model wrote \ufffd and  here"  # CommonMark turns NUL into U+FFFD
     )
     assert word_friendly("## Plan\n\n**Bold** and `code`\n\n1. a\n2. b\n\n- x\n") == (
         "Plan\n\nBold and code\n\n1. a\n2. b\n\n• x\n"
