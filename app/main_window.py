@@ -41,6 +41,7 @@ from app.views.chat_view import ChatView
 from app.views.drafting_pane import DraftingPane
 from app.views.first_run_dialog import DEMO, FirstRunDialog
 from app.views.gauges_panel import GaugesPanel
+from app.views.matters_pane import MattersPane
 from app.views.privacy_panel import PrivacyPanel
 from app.views.settings_dialog import SettingsDialog
 from app.views.sidebar import Sidebar
@@ -83,13 +84,15 @@ class MainWindow(QMainWindow):
         row = QHBoxLayout(central)
         row.setContentsMargins(0, 0, 0, 0)
         row.setSpacing(0)
-        self.sidebar = Sidebar(app.chat, app.drafting)
+        self.sidebar = Sidebar(app.chat, app.drafting, documents=app.documents)
         row.addWidget(self.sidebar)
         self.stack = QStackedWidget()
-        self.chat_view = ChatView(app.chat)
-        self.drafting_pane = DraftingPane(app.drafting)
+        self.chat_view = ChatView(app.chat, documents=app.documents)
+        self.drafting_pane = DraftingPane(app.drafting, documents=app.documents)
+        self.matters_pane = MattersPane(app.documents, app.store)
         self.stack.addWidget(self.chat_view)
         self.stack.addWidget(self.drafting_pane)
+        self.stack.addWidget(self.matters_pane)
         row.addWidget(self.stack, 1)
 
         right = QWidget()
@@ -142,6 +145,7 @@ class MainWindow(QMainWindow):
         app.load_failed.connect(self._load_failed)
         app.gauges_changed.connect(lambda _: self._idle_status())
         app.store.failed.connect(self.show_error)  # a full or read-only disk: one line
+        self._connect_documents()
 
         QShortcut(QKeySequence("Ctrl+N"), self, self._new)
         QShortcut(QKeySequence("Ctrl+F"), self, self._search)
@@ -159,10 +163,40 @@ class MainWindow(QMainWindow):
     # --- panes and state ----------------------------------------------------------------------
 
     def show_pane(self, pane: str) -> None:
-        self.stack.setCurrentWidget(self.chat_view if pane == "chat" else self.drafting_pane)
+        panes = {"chat": self.chat_view, "drafting": self.drafting_pane}
+        panes["matters"] = self.matters_pane
+        pane = pane if pane in panes else "chat"
+        self.stack.setCurrentWidget(panes[pane])
         if self.sidebar.pane != pane:
             self.sidebar.set_pane(pane)
-        (self.chat_view.composer if pane == "chat" else self.drafting_pane.editor).setFocus()
+        focus = {"chat": self.chat_view.composer, "drafting": self.drafting_pane.editor}
+        focus.get(pane, self.sidebar.matter_list).setFocus()
+
+    def _connect_documents(self) -> None:
+        """Files, matters and the API: progress in the status bar, errors in the pane shown."""
+        docs = self.app.documents
+        docs.progress.connect(self.show_progress)
+        docs.indexed.connect(lambda _m, _r: self._idle_status())
+        docs.failed.connect(self._documents_failed)
+        self.sidebar.matter_chosen.connect(self.matters_pane.show_matter)
+        self.matters_pane.chat_opened.connect(lambda _c: self.show_pane("chat"))
+        self.app.api_changed.connect(self._api_changed)
+
+    def _documents_failed(self, err: VeilError) -> None:
+        self._idle_status()
+        pane = self.stack.currentWidget()
+        banner = getattr(pane, "error", self.chat_view.error)
+        banner.show_error(err, cause=problems.DOCUMENTS)
+
+    def _api_changed(self, err: VeilError | None) -> None:
+        self._idle_status()
+        if err is not None:
+            self.chat_view.error.show_error(
+                VeilError(f"other programs cannot use Veil: {err.message}", err.hint),
+                "Open Settings",
+                self.open_settings,
+                problems.SETTINGS,
+            )
 
     def _new(self) -> None:
         self.sidebar.new_item()
@@ -185,16 +219,17 @@ class MainWindow(QMainWindow):
 
     def _idle_status(self) -> None:
         busy = self.app.chat.busy or self.app.drafting.busy
-        if not busy:
+        if not busy and not self.app.documents.busy:
             self.progress_bar.hide()
+        api = f"  ·  API on {self.app.api.url()}" if self.app.api.running else ""
         self.status.setText(
-            ("Writing… (Esc to stop)  ·  " if busy else "") + self.app.connection_text()
+            ("Writing… (Esc to stop)  ·  " if busy else "") + self.app.connection_text() + api
         )
 
     def show_error(self, err: VeilError) -> None:
         """One error line in the banner of the pane the user is looking at."""
-        pane = self.chat_view if self.sidebar.pane == "chat" else self.drafting_pane
-        pane.error.show_error(err)
+        pane = self.stack.currentWidget()
+        getattr(pane, "error", self.chat_view.error).show_error(err)
 
     def confirm_close_unsaved(self, unsaved: dict[str, str]) -> bool:
         """Closing would lose text that could not be saved: ask (True = close anyway)."""
@@ -445,9 +480,10 @@ class MainWindow(QMainWindow):
         self._stop()
         if self._audit_task is not None:
             self._audit_task.cancel.cancel()
-        shutdown = getattr(self.executor, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        for ex in (self.executor, self.app.documents.executor):
+            shutdown = getattr(ex, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
         # the stopped reply's last text and its end arrive as queued calls: handle them while
         # the database is still open, so a partial reply is saved (marked "Stopped")
         QCoreApplication.sendPostedEvents(None, QEvent.Type.MetaCall)
@@ -471,7 +507,8 @@ def create(args: argparse.Namespace, data_dir: str | None) -> tuple[AppControlle
     from app.worker import QtExecutor
 
     executor = QtExecutor()  # its thread starts with the first task (after start-up)
-    app = AppController(executor, data_dir)
+    # files are read on a thread of their own: attaching never waits for a reply
+    app = AppController(executor, data_dir, doc_executor=QtExecutor())
     if args.model:
         app.settings.model = args.model
         app.host.model = args.model
@@ -538,6 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     window.show()
     app.load_config()
     app.connect_now()
+    app.sync_api()  # "Let other programs use Veil", when switched on
     rc = int(qapp.exec())
     _dispose(window)
     return rc

@@ -73,6 +73,9 @@ class AppController:
         self.documents = DocumentsController(
             DocIndex.open(self.folder), self.chat, doc_executor or executor
         )
+        self.documents.indexed.connect(
+            lambda _m, report: None if report.failed else self._resolve(problems.DOCUMENTS)
+        )
         self.api = ApiService(self.host, s)
         self.api_changed = Event()  # (VeilError | None) the API started, stopped or failed
         self.gauge_state = GaugeState()

@@ -24,6 +24,7 @@ SETTINGS = "settings"  # settings were refused (cleared when Settings are saved)
 REPLY = "reply"  # a reply or a suggestion failed otherwise (cleared by the next good one)
 AUDIT = "audit"  # the privacy audit failed (cleared when an audit finishes)
 EXPORT = "export"  # a file could not be saved (cleared by the next good export)
+DOCUMENTS = "documents"  # a file could not be read or indexed (cleared when files are read)
 
 RECONNECTS = "Veil reconnects by itself when the server is back."
 

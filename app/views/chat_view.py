@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeyEvent, QResizeEvent
 from PySide6.QtWidgets import (
@@ -17,6 +19,7 @@ from PySide6.QtWidgets import (
 
 from app.core import problems
 from app.core.chat import ChatController
+from app.core.documents.controller import DocumentsController
 from app.core.settings import PRESETS
 from app.core.storage import Message
 from app.views import export
@@ -54,9 +57,15 @@ class Composer(QPlainTextEdit):
 class ChatView(QWidget):
     settings_requested = Signal()
 
-    def __init__(self, chat: ChatController, parent: QWidget | None = None) -> None:
+    def __init__(
+        self,
+        chat: ChatController,
+        parent: QWidget | None = None,
+        documents: DocumentsController | None = None,
+    ) -> None:
         super().__init__(parent)
         self.chat = chat
+        self.documents = documents
         self.widgets: dict[int, MessageWidget] = {}
         self.rows: dict[int, QWidget] = {}
         outer = QVBoxLayout(self)
@@ -128,6 +137,13 @@ class ChatView(QWidget):
         bottom.setSpacing(8)
         self.error = ErrorBanner()
         bottom.addWidget(self.error)
+        if documents is not None:  # the chat's files, above the message box
+            from app.views.attach import AttachmentsBar, FileDrop
+
+            self.attachments = AttachmentsBar(documents)
+            bottom.addWidget(self.attachments)
+            self.file_drop = FileDrop(self)
+            self.file_drop.dropped.connect(self.attach)
         row = QHBoxLayout()
         row.setSpacing(8)
         self.composer = Composer()
@@ -162,6 +178,16 @@ class ChatView(QWidget):
         self.edit_button.clicked.connect(self.edit_last)
         small.addWidget(self.regen_button)
         small.addWidget(self.edit_button)
+        if documents is not None:
+            self.attach_button = QPushButton()
+            set_icon(self.attach_button, "attach")
+            self.attach_button.setAccessibleName("Attach files")
+            self.attach_button.setToolTip(
+                "Attach PDF, Word or text files: answers then quote them (you can also drop "
+                "files here). They are read on this computer."
+            )
+            self.attach_button.clicked.connect(lambda: self.attach(None))
+            small.addWidget(self.attach_button)
         buttons.addLayout(small)
         row.addLayout(buttons)
         bottom.addLayout(row)
@@ -233,6 +259,23 @@ class ChatView(QWidget):
         self.composer.blockSignals(False)
         self._sync_preset()
         self._update_empty()
+        if self.documents is not None:
+            self.attachments.show_chat(conv_id)
+
+    def attach(self, paths: list[Path] | None) -> None:
+        """Attach files to this chat (asks for them when ``paths`` is None)."""
+        if self.documents is None:
+            return
+        if paths is None:
+            from app.views.attach import ask_files
+
+            paths = ask_files(self, "Attach files to this chat", self.chat.store)
+        if not paths:
+            return
+        try:
+            self.documents.attach(paths, self.chat.current)
+        except VeilError as exc:
+            self.error.show_error(exc, cause=problems.DOCUMENTS)
 
     def _refresh_title(self) -> None:
         conv = self.chat.store.conversation(self.chat.current) if self.chat.current else None
@@ -288,6 +331,7 @@ class ChatView(QWidget):
             w.set_message(msg, streaming=True)
         if msg.role == "assistant":
             w.continue_requested.connect(self.chat.continue_reply)
+            self._sync_sources(msg, w)
         self._update_empty()
         self._sync_continue()
 
@@ -296,6 +340,34 @@ class ChatView(QWidget):
         if w is not None:
             w.set_message(msg, streaming=self.chat.busy)
             self._sync_continue()
+            self._sync_sources(msg, w)
+
+    def _sync_sources(self, msg: Message, w: MessageWidget) -> None:
+        """A reply that used the chat's files lists them under its text, as links; any reply
+        can be copied as Word-friendly text (right-click)."""
+        from app.core.documents.controller import sources_of
+        from app.views.sources import SourcesBar, reply_menu
+
+        if not getattr(w, "word_menu", False):
+            reply_menu(w, w.plain_text)
+            w.word_menu = True  # type: ignore[attr-defined]
+        sources = sources_of(msg.stats)
+        old = getattr(w, "sources_bar", None)
+        if old is not None and [s.to_dict() for s in old.sources] == [s.to_dict() for s in sources]:
+            return
+        if old is not None:
+            w.lay.removeWidget(old)
+            old.deleteLater()
+            w.sources_bar = None  # type: ignore[attr-defined]
+        if sources:
+            users = [m for m in self.chat.messages() if m.role == "user" and m.id < msg.id]
+            question = users[-1].content if users else ""
+            matter = self.documents.matter_of_chat(msg.conversation_id) if self.documents else None
+            files = len(self.documents.files(matter.id)) if self.documents and matter else None
+            bar = SourcesBar(sources, question, files)
+            w.lay.addWidget(bar)
+            bar.show()
+            w.sources_bar = bar  # type: ignore[attr-defined]
 
     def _sync_continue(self) -> None:
         """Continue is offered on the last reply only, when it hit the length limit."""
@@ -394,9 +466,19 @@ class ChatView(QWidget):
             "Export chat",
             self.chat.store,
             conv.title if conv else "Chat",
-            [export.MARKDOWN, export.JSON],
+            [export.MARKDOWN, export.WORD, export.JSON],
         )
         if path is None:
+            return
+        if path.suffix.lower() == ".docx":
+            from app.core.documents.word import chat_docx
+
+            try:
+                chat_docx(self.chat.store, conv_id, path)
+            except VeilError as exc:
+                self.error.show_error(exc, cause=problems.EXPORT)
+                return
+            export.confirm_saved(self.error, path)
             return
         try:
             body = (

@@ -6,6 +6,8 @@ Accepting is one undoable edit (Ctrl+Z brings the old text back).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QKeyEvent, QTextCursor
 from PySide6.QtWidgets import (
@@ -22,6 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.core import problems
+from app.core.documents.controller import DocumentsController
 from app.core.drafting import (
     ACTIONS,
     DEFAULT_TITLE,
@@ -74,9 +77,15 @@ class DocEditor(QPlainTextEdit):
 
 
 class DraftingPane(QWidget):
-    def __init__(self, drafting: DraftingController, parent: QWidget | None = None) -> None:
+    def __init__(
+        self,
+        drafting: DraftingController,
+        parent: QWidget | None = None,
+        documents: DocumentsController | None = None,
+    ) -> None:
         super().__init__(parent)
         self.d = drafting
+        self.documents = documents
         outer = QVBoxLayout(self)
         outer.setContentsMargins(24, 14, 24, 16)
         outer.setSpacing(10)
@@ -89,6 +98,16 @@ class DraftingPane(QWidget):
         self.title.setToolTip("The document's name (shown in the list on the left)")
         self.title.editingFinished.connect(self._rename)
         bar.addWidget(self.title, 1)
+        if documents is not None:
+            self.open_button = QPushButton("Open file…")
+            set_icon(self.open_button, "document")
+            self.open_button.setAccessibleName("Open a file as a new document")
+            self.open_button.setToolTip(
+                "Open a PDF, Word or text file as a new document (read on this computer; you "
+                "can also drop a file on the text)"
+            )
+            self.open_button.clicked.connect(lambda: self.open_file(None))
+            bar.addWidget(self.open_button)
         self.export_button = QPushButton("Export")
         set_icon(self.export_button, "export")
         self.export_button.setAccessibleName("Export this document")
@@ -152,6 +171,12 @@ class DraftingPane(QWidget):
         )
         self.editor.textChanged.connect(self._changed)
         split.addWidget(self.editor)
+        if documents is not None:
+            from app.views.attach import FileDrop
+
+            # the editor's viewport gets the drops; a file opens, dropped text is typed as usual
+            self.file_drop = FileDrop(self.editor.viewport())
+            self.file_drop.dropped.connect(lambda ps: self.open_file(ps[0]))
 
         self.panel = QFrame()
         self.panel.setObjectName("Suggestion")
@@ -261,16 +286,41 @@ class DraftingPane(QWidget):
             "Export document",
             self.d.store,
             self.title.text().strip() or DEFAULT_TITLE,
-            [export.MARKDOWN, export.PLAIN],
+            [export.MARKDOWN, export.WORD, export.PLAIN],
         )
         if path is None:
             return
         try:
-            self.d.export(self.d.current, path)
+            if path.suffix.lower() == ".docx":
+                from app.core.documents.word import document_docx
+
+                doc = self.d.store.document(self.d.current)
+                if doc is None:
+                    raise VeilError("that document no longer exists")
+                document_docx(doc.title, doc.body, path)
+            else:
+                self.d.export(self.d.current, path)
         except VeilError as exc:
             self.error.show_error(exc, cause=problems.EXPORT)
             return
         export.confirm_saved(self.error, path)
+
+    def open_file(self, path: Path | None) -> None:
+        """Read a PDF, Word or text file into a new document (asks for it when None)."""
+        if self.documents is None:
+            return
+        if path is None:
+            from app.views.attach import ask_files
+
+            paths = ask_files(self, "Open a file as a new document", self.d.store)
+            if not paths:
+                return
+            path = paths[0]
+        self.save_now()
+        self.error.hide()
+        self.documents.open_file(
+            path, lambda doc: self.d.new_document(doc.path.stem or DEFAULT_TITLE, doc.text())
+        )
 
     def _failed(self, err: VeilError) -> None:
         state = self.d.host.state

@@ -19,6 +19,7 @@ from app.views.error_banner import ErrorBanner
 MARKDOWN = ("Formatted text", ".md")
 PLAIN = ("Plain text", ".txt")
 JSON = ("Data for other programs", ".json")
+WORD = ("Word document", ".docx")
 LAST_FOLDER_KEY = "ui.export_dir"
 
 

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.core.api_host import api_available
 from app.core.invite import invite_address, invite_problem
 from app.core.settings import FONT_SIZES, MODE_DEMO, MODE_SERVER, THEMES, Settings
 from app.views.error_banner import ErrorBanner
@@ -203,6 +204,14 @@ class SettingsDialog(QDialog):
         self.font_size.setAccessibleName("Text size")
         ll.addRow("Text size:", self._noted(self.font_size))
         self.tabs.addTab(look, "Appearance")
+        if api_available():
+            from app.views.api_settings import ApiTab
+
+            self.api_tab: ApiTab | None = ApiTab(s)
+            self.api_tab.port.adjusted.connect(lambda _m: setattr(self, "_adjusted", True))
+            self.tabs.addTab(self.api_tab, "Other programs")
+        else:
+            self.api_tab = None
 
         self.error = ErrorBanner()
         lay.addWidget(self.error)
@@ -226,6 +235,8 @@ class SettingsDialog(QDialog):
         s.max_tokens = self.max_tokens.value()
         s.theme = str(self.theme.currentData())
         s.font_size = self.font_size.value()
+        if self.api_tab is not None:
+            self.api_tab.apply(s)
         return s
 
     def _noted(self, field: NumberField | DecimalField) -> QWidget:
@@ -266,6 +277,8 @@ class SettingsDialog(QDialog):
         self._adjusted = False
         for f in (self.temperature, self.top_p, self.repetition, self.max_tokens, self.font_size):
             f.interpretText()  # a value typed but not confirmed is checked (and noted) now
+        if self.api_tab is not None:
+            self.api_tab.port.interpretText()
         if self._adjusted:  # show what was changed before saving it
             self.error.show_error(
                 VeilError(

@@ -21,22 +21,29 @@ from PySide6.QtWidgets import (
 )
 
 from app.core.chat import ChatController
+from app.core.documents.controller import DocumentsController
 from app.core.drafting import DraftingController
 from app.views.theme import app_icon, icon, set_icon
 from engine.errors import VeilError
 
 
 class Sidebar(QWidget):
-    pane_changed = Signal(str)  # "chat" | "drafting"
+    pane_changed = Signal(str)  # "chat" | "drafting" | "matters"
     settings_requested = Signal()
     export_chat = Signal(int)
     export_document = Signal(int)
 
+    matter_chosen = Signal(object)  # matter id, or None
+
     def __init__(
-        self, chat: ChatController, drafting: DraftingController, parent: QWidget | None = None
+        self,
+        chat: ChatController,
+        drafting: DraftingController,
+        parent: QWidget | None = None,
+        documents: DocumentsController | None = None,
     ) -> None:
         super().__init__(parent)
-        self.chat, self.drafting = chat, drafting
+        self.chat, self.drafting, self.documents = chat, drafting, documents
         self.setObjectName("Sidebar")
         self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
         self.setFixedWidth(270)
@@ -60,7 +67,15 @@ class Sidebar(QWidget):
         self.nav_docs = QPushButton("  Documents")
         set_icon(self.nav_docs, "document")
         self.nav_group = QButtonGroup(self)
-        for b, key in ((self.nav_chat, "chat"), (self.nav_docs, "drafting")):
+        navs = [(self.nav_chat, "chat"), (self.nav_docs, "drafting")]
+        if documents is not None:
+            self.nav_matters = QPushButton("  Matters")
+            set_icon(self.nav_matters, "folder")
+            self.nav_matters.setToolTip(
+                "Sets of files about one case or client, with cited answers"
+            )
+            navs.append((self.nav_matters, "matters"))
+        for b, key in navs:
             b.setObjectName("NavButton")
             b.setCheckable(True)
             b.setAccessibleName(f"Show {b.text().strip()}")
@@ -96,7 +111,9 @@ class Sidebar(QWidget):
         self.chat_list.setAccessibleName("Chats")
         self.doc_list = QListWidget()
         self.doc_list.setAccessibleName("Documents")
-        for lst in (self.chat_list, self.doc_list):
+        self.matter_list = QListWidget()
+        self.matter_list.setAccessibleName("Matters")
+        for lst in (self.chat_list, self.doc_list, self.matter_list):
             lst.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
             lst.setTextElideMode(Qt.TextElideMode.ElideRight)
             lst.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
@@ -117,18 +134,25 @@ class Sidebar(QWidget):
         chat.conversation_opened.connect(lambda _: self.refresh_chats())
         drafting.documents_changed.connect(self.refresh_docs)
         drafting.document_opened.connect(lambda _: self.refresh_docs())
+        if documents is not None:
+            documents.matters_changed.connect(self.refresh_matters)
+        self.current_matter: int | None = None
         self.pane = "chat"
         self.nav_chat.setChecked(True)
         self.refresh_chats()
         self.refresh_docs()
+        self.refresh_matters()
 
     def set_pane(self, pane: str) -> None:
         self.pane = pane
         is_chat = pane == "chat"
-        (self.nav_chat if is_chat else self.nav_docs).setChecked(True)
-        self.stack.setCurrentIndex(0 if is_chat else 1)
+        index = {"chat": 0, "drafting": 1, "matters": 2}.get(pane, 0)
+        (self.nav_chat, self.nav_docs, getattr(self, "nav_matters", self.nav_chat))[
+            index
+        ].setChecked(True)
+        self.stack.setCurrentIndex(index)
         self.search.setVisible(is_chat)
-        self.new_button.setText("New chat" if is_chat else "New document")
+        self.new_button.setText(("New chat", "New document", "New matter")[index])
         self.new_button.setAccessibleName(self.new_button.text())
         self._update_hint()
         self.pane_changed.emit(pane)
@@ -136,8 +160,44 @@ class Sidebar(QWidget):
     def new_item(self) -> None:
         if self.pane == "chat":
             self.chat.new_conversation()
+        elif self.pane == "matters":
+            self.new_matter()
         else:
             self.drafting.new_document()
+
+    def new_matter(self) -> None:
+        if self.documents is None:
+            return
+        name, ok = QInputDialog.getText(self, "New matter", "Name of the matter (case, client):")
+        if not ok:
+            return
+        try:
+            matter_id = self.documents.create_matter(name)
+        except VeilError as exc:
+            QMessageBox.warning(self, "New matter", str(exc))
+            return
+        self.choose_matter(matter_id)
+
+    def choose_matter(self, matter_id: int | None) -> None:
+        self.current_matter = matter_id
+        self.refresh_matters()
+        self.matter_chosen.emit(matter_id)
+
+    def refresh_matters(self) -> None:
+        if self.documents is None:
+            return
+        lst = self.matter_list
+        lst.blockSignals(True)
+        lst.clear()
+        for m in self.documents.matters():
+            item = QListWidgetItem(m.name)
+            item.setData(Qt.ItemDataRole.UserRole, m.id)
+            item.setToolTip(m.name)
+            lst.addItem(item)
+            if m.id == self.current_matter:
+                lst.setCurrentItem(item)
+        lst.blockSignals(False)
+        self._update_hint()
 
     def refresh_chats(self) -> None:
         lst = self.chat_list
@@ -167,12 +227,14 @@ class Sidebar(QWidget):
         self._update_hint()
 
     def _update_hint(self) -> None:
-        lst = self.chat_list if self.pane == "chat" else self.doc_list
+        lst = {"chat": self.chat_list, "matters": self.matter_list}.get(self.pane, self.doc_list)
         if lst.count():
             self.empty_hint.hide()
             return
         if self.pane == "chat":
             text = "No chats match." if self.search.text() else "Your chats will appear here."
+        elif self.pane == "matters":
+            text = "Your matters will appear here: press New matter."
         else:
             text = "Your documents will appear here."
         self.empty_hint.setText(text)
@@ -180,7 +242,9 @@ class Sidebar(QWidget):
 
     def _activated(self, item: QListWidgetItem) -> None:
         item_id = int(item.data(Qt.ItemDataRole.UserRole))
-        if self.pane == "chat":
+        if self.pane == "matters":
+            self.choose_matter(item_id)
+        elif self.pane == "chat":
             if item_id != self.chat.current:
                 self.chat.open(item_id)
         elif item_id != self.drafting.current:
@@ -191,6 +255,9 @@ class Sidebar(QWidget):
         if item is None:
             return
         item_id = int(item.data(Qt.ItemDataRole.UserRole))
+        if lst is self.matter_list:
+            self._matter_menu(item_id, lst.mapToGlobal(pos))
+            return
         is_chat = lst is self.chat_list
         menu = QMenu(self)
         menu.addAction(icon("edit"), "Rename…", lambda: self.rename(item_id, is_chat))
@@ -202,6 +269,40 @@ class Sidebar(QWidget):
         menu.addSeparator()
         menu.addAction(icon("trash", "bad"), "Delete…", lambda: self.delete(item_id, is_chat))
         menu.exec(lst.mapToGlobal(pos))
+
+    def _matter_menu(self, matter_id: int, at: QPoint) -> None:
+        docs = self.documents
+        if docs is None:
+            return
+        m = docs.index.matter(matter_id)
+        if m is None:
+            return
+
+        def rename() -> None:
+            name, ok = QInputDialog.getText(self, "Rename", "New name:", text=m.name)
+            if ok:
+                try:
+                    docs.rename_matter(matter_id, name)
+                except VeilError as exc:
+                    QMessageBox.warning(self, "Rename", str(exc))
+
+        def delete() -> None:
+            answer = QMessageBox.question(
+                self,
+                "Delete matter",
+                f"Delete the matter “{m.name}”? Its files stay on disk; Veil forgets their "
+                "text. Its chats stay, without the files.",
+            )
+            if answer == QMessageBox.StandardButton.Yes:
+                docs.delete_matter(matter_id)
+                if self.current_matter == matter_id:
+                    self.choose_matter(None)
+
+        menu = QMenu(self)
+        menu.addAction(icon("edit"), "Rename…", rename)
+        menu.addSeparator()
+        menu.addAction(icon("trash", "bad"), "Delete…", delete)
+        menu.exec(at)
 
     def rename(self, item_id: int, is_chat: bool) -> None:
         store = self.chat.store

@@ -177,7 +177,7 @@ class _Writer:
                 if link and not link.startswith("#"):
                     p.add_run(xml_safe(f" ({link})"))
                 link = None
-            elif kind in ("text", "code_inline", "html_inline"):
+            elif kind in ("text", "code_inline", "html_inline") and c.content:
                 run = p.add_run(xml_safe(c.content))
                 run.bold = strong > 0 or None
                 run.italic = em > 0 or None
