@@ -82,6 +82,10 @@ def capture(theme: str, data: Path, out: Path, args: argparse.Namespace) -> None
     w.show()
     app.load_config()
     wait(lambda: w.privacy.slider.isEnabled())
+    if args.only == "documents":
+        documents(w, app, data, out, theme)
+        w.close()
+        return
     chat = app.chat
 
     def reply(text: str) -> None:
@@ -155,8 +159,80 @@ def capture(theme: str, data: Path, out: Path, args: argparse.Namespace) -> None
         save(w, out / f"chat-restart-{theme}.png")
         wait(lambda: w.chat_view.error.isHidden(), 300)
 
+    documents(w, app, data, out, theme)
     side_panels(w, app, out, theme, args.all_positions)
     w.close()
+
+
+LEASE = [
+    [
+        "Residential lease between Alpha Properties Ltd (landlord) and Sam Patel (tenant).",
+        "1. Term. The lease runs for two years from 1 March.",
+    ],
+    [
+        "2. Rent. The rent is 1,200 euros a month, paid by the first day of each month.",
+        "3. Repairs. The landlord repairs the roof, the heating and the plumbing.",
+    ],
+    [
+        "4. Deposit. The security deposit equals three months of rent and is returned within "
+        "thirty days after the keys are handed back.",
+        "5. Notice. Either party may end the lease with ninety days written notice.",
+    ],
+]
+
+
+def sample_matter(folder: Path) -> Path:
+    """A small matter: a three-page lease (Word) and the house rules (text)."""
+    import docx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    d = docx.Document()
+    for n, page in enumerate(LEASE):
+        for para in page:
+            d.add_paragraph(para)
+        if n < len(LEASE) - 1:
+            d.add_page_break()
+    d.save(str(folder / "Lease Patel.docx"))
+    (folder / "House rules.txt").write_text(
+        "Quiet hours are from 10 pm to 7 am.\n\nBicycles stay in the cellar.\n\n"
+        "Pets need the landlord's written consent.\n",
+        encoding="utf-8",
+    )
+    return folder
+
+
+def documents(w: Any, app: Any, data: Path, out: Path, theme: str) -> None:
+    """A matter, a question answered with [file, page] links, the passage, Settings' API tab."""
+    from app.views.settings_dialog import SettingsDialog
+
+    docs = app.documents
+    found = [m.id for m in docs.matters() if m.name == "Patel lease"]
+    if found:
+        matter = found[0]
+    else:
+        matter = docs.create_matter("Patel lease", [sample_matter(data / "Patel lease")])
+    wait(lambda: docs.busy == 0)
+    w.sidebar.set_pane("matters")
+    w.sidebar.choose_matter(matter)
+    save(w, out / f"matters-{theme}.png")
+    w.matters_pane.ask()
+    w.chat_view.composer.setPlainText("How much is the security deposit, and when is it returned?")
+    w.chat_view.send_or_stop()
+    wait(lambda: not app.chat.busy)
+    save(w, out / f"documents-chat-{theme}.png")
+    last = w.chat_view.widgets[max(w.chat_view.widgets)]
+    bar = getattr(last, "sources_bar", None)
+    if bar is not None and bar.sources:
+        dlg = bar.open(bar.sources[0])
+        dlg.hide()
+        save(w, out / f"documents-passage-{theme}.png", dlg)
+        dlg.reject()
+    sd = SettingsDialog(app.settings, w)
+    if sd.api_tab is not None:
+        sd.tabs.setCurrentWidget(sd.api_tab)
+        sd.api_tab.enabled.setChecked(True)
+        save(w, out / f"settings-api-{theme}.png", sd)
+    w.show_pane("chat")
 
 
 def side_panels(w: Any, app: Any, out: Path, theme: str, every: Path | None) -> None:
@@ -204,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="DIR",
         help="also save the side panel at every slider position in DIR",
+    )
+    p.add_argument(
+        "--only",
+        choices=("all", "documents"),
+        default="all",
+        help="documents: only the matters, cited answer, passage and API settings images",
     )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -36,12 +36,24 @@ TOKEN = "test-token-34"
 PROMPT = "Write one sentence about a lease."
 
 
+class Recording(RunnerBackend):
+    """Remembers how each reply ended."""
+
+    finished: list[str]
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().generate(*args, **kwargs)
+        self.finished.append(result.finish_reason)
+        return result
+
+
 @pytest.fixture(scope="module")
 def api() -> Iterator[ApiServer]:
     """The built-in model split as `veil generate` splits it (2 layers here, the trunk in this
     process), served on a free port."""
     runner = open_runner(RunnerOptions(model=DEFAULT_MODEL, local_layers=2))
-    backend = RunnerBackend(runner, default_decoder(), SamplingParams(max_new_tokens=32))
+    backend = Recording(runner, default_decoder(), SamplingParams(max_new_tokens=32))
+    backend.finished = []
     server = ApiServer(backend, TOKEN, "127.0.0.1", 0).start()
     yield server
     server.stop()
@@ -218,6 +230,25 @@ def test_two_clients_at_once(api: ApiServer) -> None:
     assert not errors
     assert [got[0], got[1]] == alone
     assert api.jobs.started == before + 2
+
+
+def test_a_client_that_leaves_is_cancelled(api: ApiServer) -> None:
+    backend = api.backend
+    assert isinstance(backend, Recording)
+    stream = client(api).chat.completions.create(
+        model=backend.model_id(),
+        messages=[{"role": "user", "content": "Tell me a very long story."}],
+        max_tokens=2000,
+        stream=True,
+    )
+    for n, _chunk in enumerate(stream):
+        if n == 2:
+            break
+    stream.close()  # the client hangs up mid-reply
+    deadline = time.monotonic() + 120
+    while "cancelled" not in backend.finished and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert backend.finished[-1] == "cancelled"
 
 
 def test_queue_runs_in_arrival_order_and_refuses_when_full() -> None:

@@ -149,5 +149,11 @@ class AttachmentsBar(QWidget):
             self.documents.detach(self.conv_id, path)
 
     def _progress(self, stage: str, fraction: float) -> None:
-        self.status.setText(f"{stage[:1].upper()}{stage[1:]}… {int(fraction * 100)}%")
+        self.status.setText(progress_text(stage, fraction))
         self.show()
+
+
+def progress_text(stage: str, fraction: float) -> str:
+    """ "Reading lease.pdf (1 of 3)… 40%", or the last stage alone ("Documents ready")."""
+    text = stage[:1].upper() + stage[1:]
+    return text if fraction >= 1 else f"{text}… {int(fraction * 100)}%"

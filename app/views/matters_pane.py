@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
 from app.core import problems
 from app.core.documents.controller import DocumentsController
 from app.core.documents.index import SyncReport
-from app.views.attach import FileDrop, ask_files, ask_folder
+from app.views.attach import FileDrop, ask_files, ask_folder, progress_text
 from app.views.elided_label import ElidedLabel
 from app.views.error_banner import ErrorBanner
 from app.views.theme import Theme, set_icon
@@ -91,7 +91,7 @@ class MattersPane(QWidget):
         outer.addWidget(added)
         self.sources = QListWidget()
         self.sources.setAccessibleName("Files and folders added to the matter")
-        self.sources.setMaximumHeight(110)
+        self.sources.setMaximumHeight(84)
         outer.addWidget(self.sources)
         self.remove_button = QPushButton("Remove from the matter")
         set_icon(self.remove_button, "trash", "bad")
@@ -120,9 +120,7 @@ class MattersPane(QWidget):
         FileDrop(self, folders=True).dropped.connect(self.add)
         documents.files_changed.connect(self._changed)
         documents.indexed.connect(self._indexed)
-        documents.progress.connect(
-            lambda s, f: self.status.setText(f"{s[:1].upper()}{s[1:]}… {int(f * 100)}%")
-        )
+        documents.progress.connect(lambda s, f: self.status.setText(progress_text(s, f)))
         documents.matters_changed.connect(lambda: self.show_matter(self.current))
         self.show_matter(None)
 

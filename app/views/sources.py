@@ -13,7 +13,6 @@ from PySide6.QtGui import QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
-    QHBoxLayout,
     QLabel,
     QMenu,
     QPushButton,
@@ -99,33 +98,53 @@ class SourcesBar(QWidget):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 4, 0, 0)
         lay.setSpacing(2)
-        row = QHBoxLayout()
-        row.setSpacing(2)
-        head = QLabel("Sources:")
-        head.setObjectName("Small")
-        row.addWidget(head)
-        self.links: list[QPushButton] = []
-        for s in sources[:SHOWN]:
-            b = QPushButton(f"[{s.n}] {s.label()}")
-            b.setObjectName("LinkButton")
-            b.setCursor(Qt.CursorShape.PointingHandCursor)
-            b.setAccessibleName(f"Source {s.n}: {s.label()}")
-            b.setToolTip(f"Show the passage from {s.name}, {s.where()}")
-            b.clicked.connect(lambda _=False, s=s: self.open(s))
-            row.addWidget(b)
-            self.links.append(b)
-        if len(sources) > SHOWN:
-            more = QPushButton(f"+ {len(sources) - SHOWN} more")
-            more.setObjectName("LinkButton")
-            more.clicked.connect(self._more)
-            row.addWidget(more)
-        row.addStretch(1)
-        lay.addLayout(row)
+        # one wrapping line of links (a row of buttons would widen the reply past the window)
+        self.links = QLabel(self.links_html())
+        self.links.setWordWrap(True)
+        self.links.setTextFormat(Qt.TextFormat.RichText)
+        self.links.setTextInteractionFlags(
+            Qt.TextInteractionFlag.LinksAccessibleByMouse
+            | Qt.TextInteractionFlag.LinksAccessibleByKeyboard
+        )
+        self.links.setAccessibleName("Sources of this reply")
+        self.links.setToolTip("Click a source to read the passage the reply was given")
+        self.links.linkActivated.connect(self.follow)
+        lay.addWidget(self.links)
         self.used = QLabel(used_text([s.to_dict() for s in sources], files_in_matter) + ".")
         self.used.setObjectName("Small")
         self.used.setWordWrap(True)
         lay.addWidget(self.used)
         self.dialog: PassageDialog | None = None
+
+    def links_html(self) -> str:
+        from html import escape
+
+        from app.views.theme import Theme
+
+        color = Theme.color("accent")
+        parts = [
+            f"<a href='{s.n}' style='color:{color}; text-decoration:none'>"
+            f"[{s.n}]&nbsp;{escape(s.label()).replace(' ', '&nbsp;')}</a>"
+            for s in self.sources[:SHOWN]
+        ]
+        if len(self.sources) > SHOWN:
+            parts.append(
+                f"<a href='more' style='color:{color}'>+&nbsp;{len(self.sources) - SHOWN}"
+                "&nbsp;more</a>"
+            )
+        return "Sources: " + " &nbsp; ".join(parts)
+
+    def texts(self) -> list[str]:
+        """The links as shown ("[1] lease.pdf, p. 3")."""
+        return [f"[{s.n}] {s.label()}" for s in self.sources[:SHOWN]]
+
+    def follow(self, link: str) -> None:
+        if link == "more":
+            self._more()
+            return
+        s = next((s for s in self.sources if str(s.n) == link), None)
+        if s is not None:
+            self.open(s)
 
     def open(self, s: Source) -> PassageDialog:
         """Show the passage (window-modal; deleted when closed)."""

@@ -1,9 +1,10 @@
 """Which passages go into the prompt, and how: the best chunks of a matter that fit the room
 the model's context leaves, numbered so the answer can cite them ([1], [2] ...).
 
-A matter small enough to fit goes in whole (in reading order); otherwise the chunks that match
-the question best (BM25), best first, as many as fit. The sources actually used are returned
-with the reply, so the app can list them as [file, page] links that open the passage.
+A matter small enough to fit goes in whole (the best matches first, then the rest in reading
+order); otherwise the chunks that match the question best (BM25), best first, as many as fit.
+The sources actually used are returned with the reply, so the app can list them as
+[file, page] links that open the passage.
 """
 
 from __future__ import annotations
@@ -107,12 +108,15 @@ def select_sources(
     if budget < MIN_SOURCE_TOKENS:
         return []
     whole = index.in_order(matter_id)
+    hits = index.search(matter_id, question, SEARCH_LIMIT)
     words = sum(len(h.text.split()) for h in whole)
     if whole and words <= budget:  # tokens >= words for these tokenizers: it may fit whole
-        fitted = fit_sources(whole, tokenizer, budget)
-        if len(fitted) == len(whole) and fitted[-1].text == whole[-1].text:
+        # all of it, the best matches first (so [1] is the passage that matters most)
+        best = {h.chunk_id for h in hits}
+        ordered = hits + [h for h in whole if h.chunk_id not in best]
+        fitted = fit_sources(ordered, tokenizer, budget)
+        if len(fitted) == len(ordered) and fitted[-1].text == ordered[-1].text:
             return fitted
-    hits = index.search(matter_id, question, SEARCH_LIMIT)
     if not hits:  # nothing to search for ("summarize this"): from the start
         hits = whole
     return fit_sources(hits, tokenizer, budget)
