@@ -30,6 +30,10 @@ class _Base(BaseModel):
     top_k: int | None = Field(default=None, ge=0)
     repetition_penalty: float | None = Field(default=None, gt=0)
 
+    def check(self) -> None:
+        """The checks pydantic cannot express (each request type adds its own)."""
+        self.check_common()
+
     def check_common(self) -> None:
         if self.n != 1:
             raise bad_request("only n=1 is supported", "n")

@@ -163,14 +163,14 @@ class MattersPane(QWidget):
         self.summary.setText(text)
         for f in files:
             state = "Could not read" if f.error else (f.notes or "Ready")
-            item = QTreeWidgetItem(
+            row = QTreeWidgetItem(
                 [f.name, str(f.pages or "–"), f"{f.words:,}" if not f.error else "–", state]
             )
-            item.setToolTip(0, f.path)
-            item.setToolTip(3, f.error or f.notes or "Read and ready for questions")
+            row.setToolTip(0, f.path)
+            row.setToolTip(3, f.error or f.notes or "Read and ready for questions")
             if f.error:
-                item.setForeground(3, QColor(Theme.color("bad")))
-            self.files.addTopLevelItem(item)
+                row.setForeground(3, QColor(Theme.color("bad")))
+            self.files.addTopLevelItem(row)
 
     def _changed(self, matter_id: int | None) -> None:
         if matter_id == self.current:

@@ -4,6 +4,7 @@ Also "Copy as Word-friendly text" for replies."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,7 @@ class SourcesBar(QWidget):
     def _more(self) -> None:
         menu = QMenu(self)
         for s in self.sources[SHOWN:]:
-            menu.addAction(f"[{s.n}] {s.label()}", lambda s=s: self.open(s))
+            menu.addAction(f"[{s.n}] {s.label()}", functools.partial(self.open, s))
         menu.exec(self.mapToGlobal(QPoint(0, self.height())))
 
 

@@ -271,7 +271,7 @@ def _odt(p: Path) -> Extracted:
             root = ElementTree.fromstring(z.read("content.xml"))
     except (zipfile.BadZipFile, KeyError):
         raise DocumentError(f"cannot read “{p.name}”: it is not an OpenDocument text") from None
-    passages = []
+    passages: list[Passage] = []
     for el in root.iter():
         if el.tag in (f"{{{_TEXT_NS}}}p", f"{{{_TEXT_NS}}}h"):
             t = " ".join(_odt_text(el).split())
