@@ -266,3 +266,23 @@ def test_veil_generate_attach(tiny: Path, tmp_path: Path) -> None:
         rc = main(["generate", "--prompt", "x", "--attach", str(tmp_path / "old.doc")])
     assert rc == 2
     assert err.getvalue().count("\n") == 1 and "not a supported kind" in err.getvalue()
+
+
+@pytest.mark.slow
+def test_clause_cited_on_the_default_model(tmp_path: Path) -> None:
+    """Acceptance: on the built-in model, a question about a clause of a small matter gets the
+    right [file, page] as its first source (retrieval and citation; the prose is the small
+    model's)."""
+    from app.cli import main
+    from tests.doc_files import CLAUSE_FILE, CLAUSE_PAGE, make_matter
+
+    folder = make_matter(tmp_path / "matter", n_files=9)
+    out, err = io.StringIO(), io.StringIO()
+    args = ["generate", "--prompt", "What does the force majeure clause say about notice?"]
+    for f in sorted(folder.iterdir()):
+        args += ["--attach", str(f)]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main([*args, "--max-new-tokens", "16", "--json"]) == 0, err.getvalue()
+    first = json.loads(out.getvalue())["sources"][0]
+    assert (Path(first["file"]).name, first["page"]) == (CLAUSE_FILE, CLAUSE_PAGE)
+    assert f"[1] {CLAUSE_FILE}, p. {CLAUSE_PAGE}" in err.getvalue()
