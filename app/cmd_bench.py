@@ -78,10 +78,12 @@ def add_parser(sub: Any) -> None:
         "quantized blocks), none (float), int8 or int4",
     )
     p.add_argument(
-        "--int8-activations",
+        "--exact-float",
         action="store_true",
-        help="quantized client products with int8 activations (see `veil generate --help`)",
+        help="quantized products with float activations (see `veil generate --help`)",
     )
+    # the default since int8 activations became it; still accepted from older scripts
+    p.add_argument("--int8-activations", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--draft-head",
         default="auto",
@@ -364,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
     kernel_threads = args.kernel_threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     kernels.set_threads(kernel_threads)
-    kernels.set_int8_activations(bool(args.int8_activations))
+    kernels.set_int8_activations(not args.exact_float)
     progress = CliProgress()
     dtype = parse_dtype(args.dtype)
     client = load_client(
@@ -453,7 +455,7 @@ def run(args: argparse.Namespace) -> int:
         "wire_dtype": args.wire_dtype,
         "dtype": str(dtype).removeprefix("torch."),
         "client_quant": client.client_quant,
-        "int8_activations": bool(args.int8_activations),
+        "int8_activations": kernels.int8_activations(),
         "machine": machine(),
         "client_threads": torch.get_num_threads(),
         "trunk_threads": threads,

@@ -57,13 +57,9 @@ def add_common_model_args(p: argparse.ArgumentParser) -> None:
         "quantized; float checkpoints stay float), none (float: the reference path), int8 "
         "(per channel) or int4 (groups of 32), quantized once and cached",
     )
-    p.add_argument(
-        "--int8-activations",
-        action="store_true",
-        help="quantized client products with the activations rounded to int8 per block, as "
-        "llama.cpp does: ~2x faster on the CPU, slightly different numbers (speculative output "
-        "still equals sequential output)",
-    )
+    p.add_argument("--exact-float", action="store_true", help=kernels.EXACT_FLOAT_HELP)
+    # the default since int8 activations became it; still accepted from older scripts
+    p.add_argument("--int8-activations", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument(
         "--private-weights",
@@ -174,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
     progress = CliProgress()
     attached = _read_attachments(args.attach, progress) if args.attach else None
     t0 = time.perf_counter()
-    if getattr(args, "int8_activations", False):
-        kernels.set_int8_activations(True)
+    kernels.set_int8_activations(not getattr(args, "exact_float", False))
     runner = open_runner(runner_options(args), progress)
     progress.close()
     load_s = time.perf_counter() - t0
@@ -224,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         "decoder": args.decoder,
         "dtype": str(runner.client.dtype).removeprefix("torch."),
         "client_quant": runner.client.client_quant,
-        "int8_activations": bool(getattr(args, "int8_activations", False)),
+        "int8_activations": kernels.int8_activations(),
         "kernels": kernels.status(),
         "quant_kernels": kernels.quant_status(),
         "local_param_bytes": runner.client.local_param_bytes(),

@@ -1,9 +1,10 @@
 """What quantization costs in quality, per format, on the default model.
 
-    python bench/quant_quality.py [--text FILE ...] [--max-tokens 2048] [--out OUT.json]
+    python bench/quant_quality.py [--model FILE.gguf] [--text FILE ...] [--max-tokens 2048]
+                                  [--n-prompts N] [--out OUT.json]
 
-The reference is the float32 model: the default model's Q4_1 GGUF dequantized
-(``--client-quant none``). Each other variant runs fully local through Veil's own loader and
+The reference is the float32 model: the GGUF (the default model's Q4_1 file unless ``--model``
+names another) dequantized (``--client-quant none``). Each other variant runs fully local through Veil's own loader and
 kernels:
 
 * ``gguf-<type>``: the GGUF re-quantized by llama.cpp's own quantizer (``llama-cpp-python``,
@@ -72,10 +73,12 @@ def nll_and_top1(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded model)")
     ap.add_argument("--text", nargs="*", default=None, help="held-out text files")
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--prompts", default=str(ROOT.parent / "shared" / "bench" / "prompts.jsonl"))
     ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--n-prompts", type=int, default=0, help="only the first N prompts (0: all)")
     ap.add_argument("--work", default="bench-out/quality", help="where re-quantized files go")
     ap.add_argument("--only", default=None, help="comma-separated variant names to run")
     ap.add_argument("--out", default=None, help="results JSON (merged with an existing one)")
@@ -88,7 +91,7 @@ def main() -> int:
     from engine.sampling import SamplingParams
     from engine.split import SplitRunner, load_client
 
-    src = embedded_gguf()
+    src = Path(args.model) if args.model else embedded_gguf()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     files = args.text or [str(ROOT / "docs" / n) for n in ("privacy.md", "architecture.md")]
@@ -107,6 +110,7 @@ def main() -> int:
         keep = set(args.only.split(","))
         variants = [v for v in variants if v[0] in keep or v[0] == "float32"]
     prompts = [json.loads(x) for x in Path(args.prompts).read_text().splitlines() if x.strip()]
+    prompts = prompts[: args.n_prompts] if args.n_prompts > 0 else prompts
 
     from engine import kernels
 
@@ -122,7 +126,10 @@ def main() -> int:
         if name == "float32" and ref_top is not None:
             continue
         kernels.set_int8_activations(name.endswith("+i8a"))
-        client = load_client(model, 15, client_quant=quant)
+        from engine.loading import load_config, resolve
+
+        half = (load_config(resolve(model).folder).n_layers + 1) // 2  # fully local
+        client = load_client(model, half, client_quant=quant)
         runner = SplitRunner(client, None)
         ids = client.tokenizer(text)["input_ids"][: args.max_tokens]
         nll, top = nll_and_top1(runner, ids)

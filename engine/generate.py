@@ -48,6 +48,7 @@ class GenerationStats:
     tree_nodes_sent: int = 0
     accepted_hist: dict[int, int] = field(default_factory=dict)
     draft_s: float = 0.0  # time spent drafting (proposing trees and learning from rounds)
+    one_token_steps: int = 0  # speculative rounds sent without a tree (drafting did not pay)
 
     @property
     def decode_tok_s(self) -> float:

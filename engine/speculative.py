@@ -132,6 +132,85 @@ class CostModel:
         return max(n for n, r in enumerate(rates) if r >= floor)
 
 
+class ModeChooser:
+    """Whether drafting pays at all: speculative rounds against plain one-token steps.
+
+    The cost model sizes trees from the drafter's own estimates; when drafting does not pay
+    (no learned head for the model, text the context sources cannot predict, a fast trunk next
+    to a slow client) even its best tree loses to one-token steps, which skip the drafting and
+    verify one row. Both kinds of round commit exactly the tokens sequential decoding would, so
+    the choice changes speed only. It is made on measured rates — tokens committed per second
+    of whole rounds (drafting, verification and learning) — and the kind not chosen is tried
+    again after 4, 8, 16 ... ``MAX_PROBE`` rounds (back to 4 when the choice flips), so a
+    change in the text or the link is noticed at a small, shrinking cost."""
+
+    WARM = 3  # speculative rounds before the first one-token steps are timed
+    SEQ_PROBE = 2  # one-token steps per look at their rate
+    MAX_PROBE = 64  # longest wait between looks at the kind not chosen
+    DECAY = 0.8  # weight of the past in each kind's moving averages
+
+    def __init__(self) -> None:
+        self.spec_s = self.spec_tokens = 0.0  # per speculative round (moving averages)
+        self.seq_s = 0.0  # per one-token step (moving average)
+        self.spec_rounds = self.seq_rounds = 0
+        self.sequential = False  # the kind chosen now
+        self._interval = 4  # rounds between looks at the other kind
+        self._since = 0  # rounds since the last look
+        self._probing = 0  # rounds left of the current look
+        self._decided = False  # the first choice is made once both kinds were timed
+
+    def spec_rate(self) -> float:
+        return self.spec_tokens / self.spec_s if self.spec_s > 0 else 0.0
+
+    def seq_rate(self) -> float:
+        return 1.0 / self.seq_s if self.seq_s > 0 else 0.0
+
+    def next_is_sequential(self) -> bool:
+        """The kind of the next round: True for a one-token step."""
+        if self.spec_rounds < self.WARM:
+            return False
+        if self.seq_rounds < self.SEQ_PROBE:
+            return True
+        if self._probing > 0:
+            return not self.sequential
+        return self.sequential
+
+    def observe(self, sequential: bool, seconds: float, committed: int) -> None:
+        """One finished round: its kind, wall time and committed tokens."""
+        d = self.DECAY
+        if sequential:
+            self.seq_s = seconds if not self.seq_rounds else d * self.seq_s + (1 - d) * seconds
+            self.seq_rounds += 1
+        else:
+            if not self.spec_rounds:
+                self.spec_s, self.spec_tokens = seconds, float(committed)
+            else:
+                self.spec_s = d * self.spec_s + (1 - d) * seconds
+                self.spec_tokens = d * self.spec_tokens + (1 - d) * committed
+            self.spec_rounds += 1
+        if self.spec_rounds < self.WARM or self.seq_rounds < self.SEQ_PROBE:
+            return  # still timing both kinds for the first choice
+        if not self._decided:
+            self._decided = True
+            self._decide()
+        elif self._probing > 0:
+            self._probing -= 1
+            if self._probing == 0:
+                self._decide()
+        else:
+            self._since += 1
+            if self._since >= self._interval:  # look at the other kind again
+                self._since = 0
+                self._probing = 1 if self.sequential else self.SEQ_PROBE
+
+    def _decide(self) -> None:
+        best = self.seq_rate() > self.spec_rate()
+        if best != self.sequential:
+            self.sequential, self._interval = best, 4
+        else:
+            self._interval = min(2 * self._interval, self.MAX_PROBE)
+
+
 @dataclass
 class SpecOptions:
     # most draft nodes proposed per round before the cost model trims (root + 63 nodes; the
@@ -182,6 +261,7 @@ class _RunnerState:
     drafter: TreeDrafter
     cost: CostModel = field(default_factory=CostModel)
     recent: list[int] = field(default_factory=list)  # the cost model's last choices
+    mode: ModeChooser = field(default_factory=ModeChooser)  # drafting at all, or one-token steps
     head: HeadDraft | None = None  # the learned source inside ``drafter``, if any
     rounds: int = 0
 
@@ -343,7 +423,12 @@ def generate_speculative(
                 if opts.fixed_budget is None
                 else 0.0
             )
-        if opts.fixed_budget is not None:
+        # a one-token step when drafting does not pay (measured): no tree, one row verified
+        one_step = opts.fixed_budget is None and state.mode.next_is_sequential()
+        if one_step:
+            tree = DraftTree()
+            stats.one_token_steps += 1
+        elif opts.fixed_budget is not None:
             tree = drafter.propose(ctx, opts.fixed_budget)
             tree = limit_depth(tree, room)
         else:
@@ -409,7 +494,10 @@ def generate_speculative(
         draft_s += time.perf_counter() - t_learn
         stats.draft_s += draft_s
         cost.observe(len(ids), t_learn - t_sent)
-        cost.observe_round(draft_s, committed)
+        if not one_step:  # the rate a head must beat is that of drafted rounds
+            cost.observe_round(draft_s, committed)
+        if opts.fixed_budget is None:
+            state.mode.observe(one_step, time.perf_counter() - t_round, committed)
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,15 @@ def default_model_folder() -> Path:
     from engine.loading import DEFAULT_MODEL, resolve
 
     return resolve(DEFAULT_MODEL).folder
+
+
+@pytest.fixture
+def exact_float() -> Iterator[None]:
+    """Quantized weights multiplied with float activations (``--exact-float``): the arithmetic
+    of the dequantized model, for tests that compare with transformers' float reference."""
+    from engine import kernels
+
+    was = kernels.int8_activations()
+    kernels.set_int8_activations(False)
+    yield
+    kernels.set_int8_activations(was)

@@ -27,6 +27,7 @@ def _prompts() -> list[str]:
     return FALLBACK
 
 
+@pytest.mark.usefixtures("exact_float")
 def test_default_model_greedy_equals_transformers(default_model_folder: Path) -> None:
     from transformers import AutoModelForCausalLM
 

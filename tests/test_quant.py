@@ -202,6 +202,12 @@ def test_gguf_quantizers_round_trip() -> None:
         assert np.abs(reference(qw) - w).max() < tol, fmt
 
 
+@pytest.fixture(autouse=True)
+def _float_acts_unless_asked(exact_float: None) -> None:
+    """The products below are checked in both arithmetics: float activations unless a test
+    asks for int8 ones."""
+
+
 @pytest.fixture
 def int8_acts() -> object:
     kernels.set_int8_activations(True)

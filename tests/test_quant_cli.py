@@ -21,11 +21,11 @@ def test_generate_reports_dtype_and_client_quant(tiny_llama: Path, tmp_path: Pat
     proc = veil(*common, "--client-quant", "int4", "--dtype", "float32", env=env)
     assert proc.returncode == 0, proc.stderr
     q = json.loads(proc.stdout)
-    assert q["client_quant"] == "int4" and q["int8_activations"] is False
+    assert q["client_quant"] == "int4" and q["int8_activations"] is True  # the default
     assert q["local_param_bytes"] < plain["local_param_bytes"] / 3
-    i8a = veil(*common, "--client-quant", "int4", "--int8-activations", env=env)
-    assert i8a.returncode == 0, i8a.stderr
-    assert json.loads(i8a.stdout)["int8_activations"] is True
+    exact = veil(*common, "--client-quant", "int4", "--exact-float", env=env)
+    assert exact.returncode == 0, exact.stderr
+    assert json.loads(exact.stdout)["int8_activations"] is False
     assert_one_line_error(veil(*common, "--client-quant", "int3", env=env), "invalid choice")
     assert_one_line_error(veil(*common, "--dtype", "float8", env=env), "dtype")
 

@@ -58,6 +58,7 @@ def dequantized_folder(res: ResolvedModel, out: Path) -> ResolvedModel:
     return ResolvedModel(str(out), out, out)
 
 
+@pytest.mark.usefixtures("exact_float")  # the dequantized model's arithmetic, to float rounding
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("fmt", GGUF_FORMATS)
 def test_gguf_kept_quantized_is_the_dequantized_model(
@@ -240,8 +241,9 @@ def test_lazy_lm_head_changes_no_token_and_computes_fewer_rows(
     assert total[True] < total[False]
 
 
-def test_int8_activations_keep_speculative_equal_to_sequential(
-    wide: dict[str, Path], tmp_path: Path
+@pytest.mark.parametrize("int8_acts", [False, True])
+def test_both_arithmetics_keep_speculative_equal_to_sequential(
+    wide: dict[str, Path], tmp_path: Path, int8_acts: bool
 ) -> None:
     from engine import kernels
 
@@ -249,11 +251,12 @@ def test_int8_activations_keep_speculative_equal_to_sequential(
     cfg = load_config(res.folder)
     client = ClientModel(res, SplitPlan.symmetric(cfg.n_layers, 1), client_quant="auto")
     s, e = client.plan.trunk_range
-    kernels.set_int8_activations(True)
+    was = kernels.int8_activations()
+    kernels.set_int8_activations(int8_acts)
     try:
         _check_spec_equals_seq(SplitRunner(client, load_trunk(res, s, e, quant="auto")))
     finally:
-        kernels.set_int8_activations(False)
+        kernels.set_int8_activations(was)
 
 
 @pytest.mark.slow

@@ -429,3 +429,106 @@ def test_forget_drops_what_a_runner_learned(models: dict[str, Path]) -> None:
     fresh = spec.runner_state(runner)
     assert fresh is not learned and not getattr(fresh.drafter.sources[-1], "table", None)
     assert fresh.recent == []
+
+
+def _feed(mc: spec.ModeChooser, spec_round: tuple[float, int], seq_s: float, n: int) -> list[bool]:
+    """Run ``n`` rounds through the chooser with fixed costs; the kinds it picked."""
+    kinds = []
+    for _ in range(n):
+        one = mc.next_is_sequential()
+        kinds.append(one)
+        mc.observe(one, seq_s if one else spec_round[0], 1 if one else spec_round[1])
+    return kinds
+
+
+def test_mode_chooser_falls_back_to_one_token_steps_when_drafting_does_not_pay() -> None:
+    mc = spec.ModeChooser()
+    # drafted rounds: 0.2 s for 1.2 tokens (6 tok/s); one-token steps 0.05 s (20 tok/s)
+    kinds = _feed(mc, (0.2, 1), 0.05, 200)
+    assert kinds[: mc.WARM] == [False] * mc.WARM  # drafted rounds first ...
+    assert kinds[mc.WARM : mc.WARM + mc.SEQ_PROBE] == [True] * mc.SEQ_PROBE  # ... then steps
+    assert mc.sequential
+    later = kinds[mc.WARM + mc.SEQ_PROBE :]
+    looks = [i for i, one in enumerate(later) if not one]
+    assert 0 < len(looks) <= 7  # drafted rounds only as looks, ever rarer
+    gaps = [b - a for a, b in zip(looks, looks[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] > mc.MAX_PROBE // 2
+    # a slower machine pays the looks at most once per MAX_PROBE rounds
+    assert later[-mc.MAX_PROBE :].count(False) <= 1
+
+
+def test_mode_chooser_keeps_drafting_while_it_pays_and_switches_back() -> None:
+    mc = spec.ModeChooser()
+    kinds = _feed(mc, (0.1, 3), 0.05, 100)  # 30 tok/s drafted vs 20 tok/s one at a time
+    assert not mc.sequential
+    tail = kinds[mc.WARM + mc.SEQ_PROBE :]
+    assert tail.count(True) <= 2 * 7 and tail[-mc.MAX_PROBE :].count(True) <= mc.SEQ_PROBE
+    _feed(mc, (0.1, 1), 0.05, 2 * mc.MAX_PROBE + 4)  # the text stops being predictable
+    assert mc.sequential
+    _feed(mc, (0.1, 4), 0.05, 2 * mc.MAX_PROBE + 4)  # ... and becomes predictable again
+    assert not mc.sequential
+
+
+class _Scripted(spec.ModeChooser):
+    """A chooser that follows a fixed pattern of round kinds (and counts drafted rounds)."""
+
+    def __init__(self, pattern: list[bool]) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.i = 0
+
+    def next_is_sequential(self) -> bool:
+        one = self.pattern[self.i % len(self.pattern)]
+        self.i += 1
+        return one
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fam=st.sampled_from(FAMILIES),
+    pattern=st.lists(st.booleans(), min_size=1, max_size=6),
+    temperature=st.sampled_from([0.0, 0.9]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_token_steps_mixed_with_drafted_rounds_stay_exact(
+    models: dict[str, Path], fam: str, pattern: list[bool], temperature: float, seed: int
+) -> None:
+    runner = _runner(models[fam], 1)
+    cfg = _CONFIGS[(str(models[fam]), 1)]
+    runner.client.config = dataclasses.replace(cfg, eos_token_ids=())
+    try:
+        prompt = [5, 9, 3, 5, 9, 3, 5, 9, 11, 4]
+        params = SamplingParams(max_new_tokens=14, temperature=temperature, top_k=20, seed=seed)
+        ref = generate_sequential(runner, prompt, params)
+        spec.forget(runner)
+        chooser = _Scripted(pattern)
+        spec.runner_state(runner).mode = chooser
+        got = spec.generate_speculative(runner, prompt, params)
+        assert got.token_ids == ref.token_ids and got.text == ref.text
+        assert chooser.i == got.stats.round_trips - 1  # asked once per round after the prompt
+        steps = [pattern[i % len(pattern)] for i in range(chooser.i)]
+        assert got.stats.one_token_steps == sum(steps)
+    finally:
+        runner.client.config = cfg
+        spec.forget(runner)
+
+
+def test_one_token_steps_draft_nothing(models: dict[str, Path]) -> None:
+    runner = _runner(models["llama"], 1)
+
+    class Counting(TreeDrafter):
+        calls = 0
+
+        def propose(self, context: list[int], budget: int) -> DraftTree:  # type: ignore[override]
+            Counting.calls += 1
+            return super().propose(context, budget)
+
+    spec.forget(runner)
+    spec.runner_state(runner).mode = _Scripted([True])
+    drafter = Counting(spec.runner_state(runner).drafter.sources)
+    got = spec.generate_speculative(
+        runner, [5, 6, 7, 8, 5, 6, 7], SamplingParams(max_new_tokens=8), drafter=drafter
+    )
+    assert Counting.calls == 0
+    assert got.stats.one_token_steps == got.stats.round_trips - 1 == got.stats.new_tokens - 1
+    spec.forget(runner)

@@ -365,21 +365,27 @@ _qlock = threading.Lock()
 _qmod: Any = None
 _qreason = ""
 QUANT_ROWS = 256  # rows per kernel call (prefill is split into calls of this many rows)
-# Quantized products with int8 activations (llama.cpp's rule, engine.kernels._int_mm): ~2-3x
-# faster for one row, and they change the numbers (the activations are rounded to 8 bits per
-# block of 32). Off by default: then quantized weights are decoded to float and the products
-# are dequantize-then-multiply to float rounding.
-_int_acts = os.environ.get("VEIL_INT8_ACTIVATIONS", "0").strip().lower() in (
-    "1",
-    "on",
-    "true",
-    "yes",
+# Quantized products with int8 activations (llama.cpp's rule, engine.kernels._int_mm): the
+# default, ~2-3x faster than float activations for one row; they change the numbers slightly
+# (the activations are rounded to 8 bits per block of 32; docs/performance.md has the quality
+# measured). ``--exact-float`` (VEIL_INT8_ACTIVATIONS=0) decodes quantized weights to float and
+# multiplies in float instead: exactly the dequantized model's arithmetic.
+_int_acts = os.environ.get("VEIL_INT8_ACTIVATIONS", "1").strip().lower() not in (
+    "0",
+    "off",
+    "false",
+    "no",
+)
+EXACT_FLOAT_HELP = (
+    "multiply quantized weights with float activations: exactly the dequantized model's "
+    "arithmetic, ~2x slower on a CPU (default: activations rounded to int8 per block of 32, "
+    "llama.cpp's rule; speculative output equals sequential output either way)"
 )
 
 
 def set_int8_activations(on: bool) -> None:
-    """Quantized products with int8 activations (faster, approximate) or float ones (exact
-    to float rounding). Process-wide: switch it only between generations."""
+    """Quantized products with int8 activations (the default: faster, approximate) or float
+    ones (exact to float rounding). Process-wide: switch it only between generations."""
     global _int_acts
     _int_acts = on
 
