@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from remote.flags import finite_float
+
 
 @dataclass
 class ClusterOptions:
@@ -38,7 +40,7 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--gpus-per-replica",
-        type=float,
+        type=finite_float,
         default=None,
         metavar="G",
         help="GPUs per replica; G > 1 splits its layers into stages over them (default: 1 with "
@@ -46,7 +48,7 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cpus-per-replica",
-        type=float,
+        type=finite_float,
         default=1.0,
         metavar="C",
         help="CPUs Ray reserves per replica; a CPU replica's torch threads (default 1)",
