@@ -9,7 +9,6 @@ bit for bit, as the run that was never interrupted.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +19,6 @@ from engine.drafts import checkpoint as ckpt
 from engine.drafts import pipeline
 from engine.drafts.pipeline import DraftTrainOptions, train_draft
 from tests.tiny import make_model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,8 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
         metavar="auto|ADDRESS",
         help="serve through replicas on Ray: this process becomes the gateway (same socket, keys "
         "and checks) and each replica loads the trunk once. No value: a private Ray runtime on "
-        "this machine; auto: the cluster this node joined with `ray start`; or the head's "
-        "HOST:PORT",
+        "this machine (loopback only, its own token and temp folder); auto: the cluster this "
+        "node joined with `ray start`; or the head's HOST:PORT",
     )
     g.add_argument(
         "--replicas", type=int, default=1, metavar="N", help="trunk replicas (default 1)"
