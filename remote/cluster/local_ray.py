@@ -9,9 +9,10 @@ none of that needs the network. :class:`PrivateRay` starts Ray so that:
 * **loopback only** — Ray's node address is ``127.0.0.1`` (Ray's own setting for a single-machine
   runtime, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), so its servers bind there and the replicas'
   inboxes and the gateway's result socket, which bind Ray's node address, too;
-* **its own folder** — a fresh ``veil-ray-*`` folder in the temp directory, mode 0700, holds the
-  session files and the token; the runtime starts under umask 077 (files 0600) and its folders
-  are closed to others once it is up; the folder is removed at shutdown;
+* **its own folder** — a fresh ``veil-ray-*`` folder in the temp directory (``/tmp`` when that
+  path is too long for Ray's unix sockets), mode 0700, holds the session files and the token;
+  the runtime starts under umask 077 (files 0600) and its folders are closed to others once it
+  is up; the folder is removed at shutdown;
 * **a token of its own** — token authentication on, with a random token in that folder (0600,
   ``RAY_AUTH_TOKEN_PATH``); nothing is written in the home folder;
 * **checked** — once up, every listening socket of Ray's processes must be on a loopback address,
@@ -37,6 +38,7 @@ import ray
 log = logging.getLogger("veil.trunk.gateway")
 
 LOOPBACK = "127.0.0.1"
+MAX_BASE = 20  # longest temp directory path the runtime's folder goes in (else /tmp)
 # Ray's switch for a runtime that stays on this machine (its node address becomes loopback)
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -94,7 +96,10 @@ class PrivateRay:
         """Start the runtime (blocks until Ray is up); PrivateRayError when it cannot be."""
         from ray._private import ray_constants
 
-        self.root = Path(tempfile.mkdtemp(prefix="veil-ray-"))  # mode 0700, ours
+        base = tempfile.gettempdir()
+        if len(base) > MAX_BASE and os.path.isdir("/tmp"):
+            base = "/tmp"  # Ray's unix sockets go ~80 bytes deeper; a socket path has ~104
+        self.root = Path(tempfile.mkdtemp(prefix="veil-ray-", dir=base))  # mode 0700, ours
         token = self.root / "auth_token"
         fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
