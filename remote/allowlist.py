@@ -6,7 +6,8 @@ followed by whitespace and a note; other lines (``# comment``) are ignored.
 ``stat`` signature changes *or* at least every ``interval_s``, and compares the content's hash:
 two edits within one timestamp tick (same mtime and size) are still seen. A change that removes
 keys is confirmed by a second read, so a file caught half-written (an editor that truncates and
-rewrites) never revokes everyone for a moment. ``allow``/``revoke`` write atomically.
+rewrites) never revokes everyone for a moment. ``allow``/``revoke`` write atomically, and a
+line they add is ``KEY  # NOTE`` with a note that cannot break the line (:func:`note_problem`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ import hashlib
 import os
 import tempfile
 import time
+import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
 CONFIRM_S = 0.05  # pause before the confirming read of a change that removes keys
+MAX_NOTE = 200  # characters in the note ``allow --name`` stores next to a key
+# control and format characters, line and paragraph separators, lone surrogates (undecodable
+# bytes in argv): each could end a line (``str.splitlines`` splits at \x1c-\x1e, \x85, U+2028...)
+# or hide part of one in a terminal
+_NOT_IN_NOTES = ("Cc", "Cf", "Cs", "Zl", "Zp")
 
 
 def line_key(line: str) -> str | None:
@@ -39,11 +46,32 @@ def read_allow_list(path: Path) -> set[str]:
     return parse_allow_list(path.read_text())
 
 
+def note_problem(note: str) -> str | None:
+    """Why ``note`` cannot be stored next to a key on its line (None when it can)."""
+    if len(note) > MAX_NOTE:
+        return f"a name is at most {MAX_NOTE} characters"
+    for ch in note:
+        if unicodedata.category(ch) in _NOT_IN_NOTES:
+            return f"a name cannot contain control characters or line breaks (U+{ord(ch):04X})"
+    return None
+
+
+def allow_line(key: str, note: str = "") -> str:
+    """The allow-list line for ``key`` (a checked key) with its note; ValueError for a note
+    that could break the line."""
+    problem = note_problem(note)
+    if problem is not None:
+        raise ValueError(problem)
+    line = key + (f"  # {note}" if note else "") + "\n"
+    assert len(line.splitlines()) == 1 and line_key(line) == key
+    return line
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` (mode 0600) so a reader sees the old or the new file."""
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)

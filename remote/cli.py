@@ -16,12 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from remote.allowlist import AllowList, line_key, read_allow_list, write_atomically
+from remote.allowlist import AllowList, allow_line, line_key, parse_allow_list, write_atomically
+from remote.flags import finite_float, tcp_address_problem
 
 log = logging.getLogger("veil.trunk")
 
 DEFAULT_BIND = "tcp://127.0.0.1:5757"
 ALLOW_FILE = "allowed_clients.txt"
+MAX_THREADS = 1024
 
 
 class CliError(Exception):
@@ -134,7 +136,7 @@ def build_parser() -> Parser:
     )
     s.add_argument(
         "--session-ttl",
-        type=float,
+        type=finite_float,
         default=600.0,
         metavar="SECONDS",
         help="drop a session with no step for this long (default 600; pings do not count); "
@@ -142,7 +144,7 @@ def build_parser() -> Parser:
     )
     s.add_argument(
         "--max-cache-gb",
-        type=float,
+        type=finite_float,
         default=4.0,
         metavar="G",
         help="KV-cache memory for all sessions together; beyond it steps get "
@@ -292,17 +294,20 @@ def keygen(d: Path, force: bool = False) -> str:
     pub_p, sec_p = _server_key_paths(d)
     if sec_p.exists() and not force:
         raise CliError(f"a server keypair already exists in {d} (use --force to replace it)")
-    d.mkdir(parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
     pub, sec = zmq.curve_keypair()
-    for path, body in (
-        (pub_p, f"public-key = {pub.decode()}\n"),
-        (sec_p, f"public-key = {pub.decode()}\nsecret-key = {sec.decode()}\n"),
-    ):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-        os.chmod(path, 0o600)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        os.chmod(d, 0o700)
+        for path, body in (
+            (pub_p, f"public-key = {pub.decode()}\n"),
+            (sec_p, f"public-key = {pub.decode()}\nsecret-key = {sec.decode()}\n"),
+        ):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
+            os.chmod(path, 0o600)
+    except OSError as exc:
+        raise CliError(f"cannot write the server keypair in {d}: {exc.strerror or exc}") from None
     return pub.decode()
 
 
@@ -310,15 +315,22 @@ def load_server_keys(d: Path) -> tuple[str, str]:
     _, sec_p = _server_key_paths(d)
     if not sec_p.is_file():
         raise CliError(f"no server keypair in {d} (run `veil-trunk keygen` first)")
-    if sec_p.stat().st_mode & 0o077:
-        raise CliError(f"{sec_p} is readable by others (run: chmod 600 {sec_p})")
+    try:
+        if sec_p.stat().st_mode & 0o077:
+            raise CliError(f"{sec_p} is readable by others (run: chmod 600 {sec_p})")
+        text = sec_p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not text"
+        raise CliError(f"cannot read {sec_p}: {why or exc}") from None
     vals: dict[str, str] = {}
-    for line in sec_p.read_text().splitlines():
+    for line in text.splitlines():
         if "=" in line:
             k, v = line.split("=", 1)
             vals[k.strip()] = v.strip()
+    from engine.protocol import curve_key_problem
+
     pub, sec = vals.get("public-key", ""), vals.get("secret-key", "")
-    if len(pub) != 40 or len(sec) != 40:
+    if curve_key_problem(pub) is not None or curve_key_problem(sec) is not None:
         raise CliError(f"{sec_p} is damaged (run `veil-trunk keygen --force`)")
     return pub, sec
 
@@ -333,28 +345,52 @@ def _check_key(key: str) -> str:
     return key
 
 
+def _read_list(path: Path) -> str:
+    """The allow-list file's text ("" when there is none); CliError when it cannot be read as
+    text (nothing is rewritten then: the file is the admin's)."""
+    try:
+        return path.read_bytes().decode("utf-8") if path.exists() else ""  # line ends kept
+    except UnicodeDecodeError:
+        raise CliError(f"{path} is not UTF-8 text; fix or remove it first") from None
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _write_list(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, text)
+    except OSError as exc:
+        raise CliError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 def allow(d: Path, key: str, name: str = "") -> bool:
     key = _check_key(key)
+    try:
+        line = allow_line(key, name)
+    except ValueError as exc:
+        raise CliError(f"--name: {exc}") from None
     path = d / ALLOW_FILE
-    if key in read_allow_list(path):
+    old = _read_list(path)
+    if key in parse_allow_list(old):
         return False
-    d.mkdir(parents=True, exist_ok=True)
-    old = path.read_text() if path.is_file() else ""
-    if old and not old.endswith("\n"):
+    if old and not old.endswith(("\n", "\r")):
         old += "\n"
-    write_atomically(path, old + key + (f"  # {name}" if name else "") + "\n")
+    _write_list(path, old + line)
     return True
 
 
 def revoke(d: Path, key: str) -> bool:
     key = _check_key(key)
     path = d / ALLOW_FILE
-    if not path.is_file():
-        return False
-    lines = path.read_text().splitlines()
+    old = _read_list(path)
+    # every other line is kept exactly as it was (its note, its line ending)
+    lines = old.splitlines(keepends=True)
     kept = [ln for ln in lines if line_key(ln) != key]
-    write_atomically(path, "".join(ln + "\n" for ln in kept))
-    return len(kept) != len(lines)
+    if len(kept) == len(lines):
+        return False
+    _write_list(path, "".join(kept))
+    return True
 
 
 # --------------------------------------------------------------------------- commands
@@ -375,28 +411,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise CliError(
                 "--keys-from-stdin expects one JSON line with public, secret, allow"
             ) from None
+        from engine.protocol import curve_key_problem
+
+        if any(curve_key_problem(k) is not None for k in (pub, sec)):
+            raise CliError("--keys-from-stdin: public and secret must be 40-character Z85 keys")
     elif not args.insecure:
         kd = args.keys or default_keys_dir()
         pub, sec = load_server_keys(kd)
         allowed = AllowList(kd / ALLOW_FILE)
         if not allowed.path or not allowed.path.is_file():
             log.warning("no client is allowed yet: run `veil-trunk allow CLIENT_PUBLIC_KEY`")
-    if args.threads < 0:
-        raise CliError("--threads must be >= 0")
-    if args.threads:
-        import torch
+    for flag, n in (("--threads", args.threads), ("--kernel-threads", args.kernel_threads)):
+        if not 0 <= n <= MAX_THREADS:
+            raise CliError(f"{flag} must be >= 0 and at most {MAX_THREADS}")
+    problem = tcp_address_problem(args.bind, bind=True)
+    if problem is not None:
+        raise CliError(f"--bind: {problem}")
+    if args.max_batch_rows < 1 or args.prefill_chunk < 1:
+        raise CliError("--max-batch-rows and --prefill-chunk must be at least 1")
+    if args.max_context is not None and args.max_context < 1:
+        raise CliError("--max-context must be at least 1")
+    import torch
 
+    try:  # the name only: with --ray the GPUs may be on other machines
+        device_type = torch.device(args.device).type
+    except (RuntimeError, ValueError):
+        device_type = ""
+    if device_type not in ("cpu", "cuda"):
+        raise CliError(f"--device: unknown device {args.device!r} (use cpu, cuda or cuda:N)")
+    if args.threads:
         torch.set_num_threads(args.threads)
-    if args.kernel_threads < 0:
-        raise CliError("--kernel-threads must be >= 0")
     if args.kernel_threads:
         from engine import kernels
 
         kernels.set_threads(args.kernel_threads)
-    if not args.bind.startswith("tcp://"):
-        raise CliError("--bind must be a tcp://HOST:PORT address")
-    if args.max_batch_rows < 1 or args.prefill_chunk < 1:
-        raise CliError("--max-batch-rows and --prefill-chunk must be at least 1")
     stage_layers = None
     if args.stage_layers is not None:
         try:
@@ -534,10 +582,11 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 def cmd_invite(args: argparse.Namespace) -> int:
     from engine.protocol import make_invite
 
+    problem = tcp_address_problem(args.address)
+    if problem is not None:
+        raise CliError(f"--address must be the tcp://HOST:PORT clients connect to: {problem}")
     d = args.keys or default_keys_dir()
     pub, _ = load_server_keys(d)
-    if not args.address.startswith("tcp://") or args.address.rsplit(":", 1)[-1] == "*":
-        raise CliError("--address must be the tcp://HOST:PORT clients connect to")
     print(make_invite(args.address, pub))
     return 0
 

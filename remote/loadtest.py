@@ -60,14 +60,21 @@ class LoadOptions:
 
 def _socket(ctx: zmq.Context, t: Target) -> zmq.Socket:
     s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    if t.server_key is not None:
-        if t.client_keys is None:
-            raise LoadTestError("a client keypair is needed for a CURVE server")
-        s.curve_serverkey = t.server_key.encode()
-        s.curve_publickey = t.client_keys[0].encode()
-        s.curve_secretkey = t.client_keys[1].encode()
-    s.connect(t.address)
+    try:
+        s.setsockopt(zmq.LINGER, 0)
+        if t.server_key is not None:
+            if t.client_keys is None:
+                raise LoadTestError("a client keypair is needed for a CURVE server")
+            s.curve_serverkey = t.server_key.encode()
+            s.curve_publickey = t.client_keys[0].encode()
+            s.curve_secretkey = t.client_keys[1].encode()
+        s.connect(t.address)
+    except zmq.ZMQError as exc:
+        s.close(0)
+        raise LoadTestError(f"cannot connect to {t.address}: {exc}") from None
+    except LoadTestError:
+        s.close(0)
+        raise
     return s
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from remote.cli import CliError
+from remote.flags import finite_float, tcp_address_problem
 
 
 def add_parser(sub: Any) -> None:
@@ -61,7 +62,7 @@ def add_parser(sub: Any) -> None:
     lt.add_argument("--steps", type=int, default=40, help="steps per client after the prefill")
     lt.add_argument(
         "--think-ms",
-        type=float,
+        type=finite_float,
         default=80.0,
         help="wait between a reply and the next step (client compute + round trip; default 80)",
     )
@@ -70,7 +71,9 @@ def add_parser(sub: Any) -> None:
         "--local-layers", type=int, default=2, help="the clients' k: trunk [k, L-k) (default 2)"
     )
     lt.add_argument("--wire-dtype", default="float16", help="float16 (default), bfloat16, float32")
-    lt.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a reply")
+    lt.add_argument(
+        "--timeout", type=finite_float, default=120.0, help="seconds to wait for a reply"
+    )
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report")
     lt.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="draw the report")
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
 def resolve_target(args: argparse.Namespace, server: str) -> Any:
     from engine import keys as K
     from engine.errors import TransportError
+    from engine.protocol import curve_key_problem
     from engine.transport import resolve_server
     from remote.loadtest import Target
 
@@ -151,17 +155,24 @@ def resolve_target(args: argparse.Namespace, server: str) -> Any:
         address, invite_key = resolve_server(server)
     except TransportError as exc:
         raise CliError(str(exc)) from None
+    problem = tcp_address_problem(address)
+    if problem is not None:
+        raise CliError(f"--server: {problem}")
     if args.insecure:
         return Target(address, None, None, "")
     skey = args.server_key or invite_key or K.server_key(address)
     if skey is None:
         raise CliError(f"no key for {address}: pass an invite code or --server-key")
+    if (problem := curve_key_problem(skey)) is not None:
+        raise CliError(f"--server-key is not a server public key: {problem}")
     if args.client_keys is not None:
         try:
             d = json.loads(args.client_keys.read_text())
             ckeys = (str(d["public"]), str(d["secret"]))
         except Exception:
             raise CliError(f"{args.client_keys} is not a JSON keypair {{public, secret}}") from None
+        if any(curve_key_problem(k) is not None for k in ckeys):
+            raise CliError(f"{args.client_keys} does not hold two 40-character Z85 keys")
     else:
         ckeys = K.client_keypair()
     return Target(address, skey, ckeys, "")
@@ -189,7 +200,10 @@ def _spawned_load(args: argparse.Namespace, opts: Any, say: Any) -> list[dict[st
             extra.append("--no-batching")
         if mode == "ray":  # the gateway -> replica hop on top of the same batching worker
             extra += ["--ray", "--replicas", "1", "--cpus-per-replica", str(cores)]
-        extra += shlex.split(args.spawn_args)  # last: may override the above
+        try:
+            extra += shlex.split(args.spawn_args)  # last: may override the above
+        except ValueError as exc:
+            raise CliError(f"--spawn-args: {exc}") from None
         kind = {"on": "batching", "off": "no batching", "ray": "batching, one Ray replica"}[mode]
         say(f"starting a local server for {args.spawn} ({kind})")
         try:

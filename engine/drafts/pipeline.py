@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
+from engine.drafts import checkpoint as checkpoint_file
 from engine.drafts.dataset import (
     DataOptions,
     Manifest,
@@ -142,6 +143,7 @@ def train_draft(
     if not opts.resume and work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
+    checkpoint_file.refuse_old(work)  # before hours of data making, not after
 
     # 1. data, made by the model
     man = Manifest(work)
@@ -173,18 +175,20 @@ def train_draft(
     net = net.to(device)
     inv_freq = rope_inv_freq(cfg).to(device)
     topts = TrainOptions(steps=opts.steps, seed=opts.seed, minutes=opts.minutes)
-    ckpt_path = work / "checkpoint.pt"
     state = None
-    if opts.resume and ckpt_path.is_file():
-        ck = torch.load(ckpt_path, weights_only=False)
-        if torch.equal(ck["vocab"], ids.cpu()):
-            net.load_state_dict(ck["net"])
-            state = ck["state"]
+    saved = checkpoint_file.load(work) if opts.resume else None
+    if saved is not None and torch.equal(saved[2], ids.cpu()):
+        try:
+            net.load_state_dict(saved[0])
+        except RuntimeError:
+            raise checkpoint_file.CheckpointError(
+                f"{work / checkpoint_file.FILE} is for another head shape; delete it and run "
+                "again with --resume to restart training on the data already recorded"
+            ) from None
+        state = saved[1]
 
     def checkpoint(n: torch.nn.Module, st: dict[str, Any]) -> None:
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"net": n.state_dict(), "state": st, "vocab": ids.cpu()}, tmp)
-        tmp.replace(ckpt_path)
+        checkpoint_file.save(work, n, st, ids)
 
     result = train_head(
         net, frozen, train, inv_freq, topts, report=report, state=state, checkpoint=checkpoint
@@ -221,5 +225,5 @@ def train_draft(
     save_head(head, out)
     info["run_cpu_s"] = round(cpu_seconds() - t_cpu, 1)
     info["run_wall_s"] = round(time.perf_counter() - t_wall, 1)
-    ckpt_path.unlink(missing_ok=True)
+    (work / checkpoint_file.FILE).unlink(missing_ok=True)
     return info

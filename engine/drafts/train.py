@@ -49,6 +49,7 @@ class TrainOptions:
     seed: int = 0
     max_len: int = 512  # longer samples are cut (their tail is dropped)
     minutes: float = 0.0  # > 0: fewer steps if the run would take longer (measured as it goes)
+    checkpoint_s: float = 300.0  # ``checkpoint`` is called after a step this long after the last
 
 
 @dataclass
@@ -275,9 +276,10 @@ def train_head(
     state: dict[str, Any] | None = None,
     checkpoint: Any = None,
 ) -> TrainResult:
-    """Train ``net`` in place. ``state`` (from a checkpoint) resumes the optimizer and the step
-    count (and the time already spent, so a resumed run reports the whole training time);
-    ``checkpoint(net, state)`` is called every few minutes."""
+    """Train ``net`` in place. ``state`` (from a checkpoint) resumes the optimizer, the step
+    count and the random numbers (so the run goes on exactly as it would have), and the time
+    already spent (so a resumed run reports the whole training time); ``checkpoint(net, state)``
+    is called every ``opts.checkpoint_s`` seconds."""
     torch.manual_seed(opts.seed)
     total_rows = sum(len(s) - 1 for s in samples)
     steps = opts.steps or max(1, int(opts.epochs * total_rows / opts.batch_tokens))
@@ -291,6 +293,11 @@ def train_head(
         done = int(state["step"])
         spent_wall = float(state.get("wall_s", 0.0))
         spent_cpu = float(state.get("cpu_s", 0.0))
+        rng = state.get("rng") or {}
+        if "cpu" in rng:
+            torch.set_rng_state(rng["cpu"])
+        if rng.get("cuda") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
     warmup = min(opts.warmup, steps // 10 + 1)
     budget_s = 60.0 * opts.minutes
@@ -354,12 +361,17 @@ def train_head(
             report("training", step + 1, steps, info)
             window = []
             hits_win = [[0, 0] for _ in range(opts.unroll)]
-        if checkpoint is not None and time.perf_counter() - last_ckpt > 300:
+        if checkpoint is not None and time.perf_counter() - last_ckpt >= opts.checkpoint_s:
             spent = {
                 "wall_s": spent_wall + time.perf_counter() - t_wall,
                 "cpu_s": spent_cpu + cpu_seconds() - t_cpu,
             }
-            checkpoint(net, {"optimizer": opt.state_dict(), "step": step + 1, **spent})
+            rng_now: dict[str, Any] = {"cpu": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng_now["cuda"] = torch.cuda.get_rng_state_all()
+            checkpoint(
+                net, {"optimizer": opt.state_dict(), "step": step + 1, "rng": rng_now, **spent}
+            )
             last_ckpt = time.perf_counter()
         step += 1
     net.eval()

@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
+from remote.cluster.local_ray import INIT_OPTIONS, PrivateRay, PrivateRayError
 from remote.cluster.options import ClusterOptions
 from remote.cluster.placement import Load, choose_replica
 from remote.cluster.replica import ReplicaSpec
@@ -34,27 +36,27 @@ log = logging.getLogger("veil.trunk.gateway")
 STATUS_EVERY_S = 60.0
 
 
-def connect_ray(c: ClusterOptions) -> bool:
-    """Join (or start) the Ray runtime; True when this call started it (and must shut it down).
-    A runtime the caller already started (tests) is used as it is."""
+def connect_ray(c: ClusterOptions) -> Callable[[], None] | None:
+    """Join (or start) the Ray runtime; returns how to shut it down when this call started it
+    (None for a runtime the caller already started, as tests do: it is used as it is).
+
+    No address: a :class:`PrivateRay` on loopback with its own token and folder. ``auto`` or
+    ``HOST:PORT``: the cluster that ``ray start`` made, with the addresses and token its admin
+    gave it (see the README's multi-machine section for what must be firewalled)."""
     if ray.is_initialized():
-        return False
-    kw: dict[str, Any] = {
-        "namespace": c.namespace,
-        "include_dashboard": False,
-        "log_to_driver": True,
-        "configure_logging": False,
-    }
+        return None
     if c.address == "local":
-        kw["num_cpus"] = os.cpu_count() or 1
-    else:
-        kw["address"] = c.address
+        private = PrivateRay(c.namespace, os.cpu_count() or 1)
+        try:
+            private.start()
+        except PrivateRayError as exc:
+            raise ClusterError(str(exc)) from None
+        return private.stop
     try:
-        ray.init(**kw)
+        ray.init(address=c.address, namespace=c.namespace, **INIT_OPTIONS)
     except Exception as exc:  # ConnectionError, ValueError...: one line for the user
-        where = "a local Ray runtime" if c.address == "local" else f"the Ray cluster at {c.address}"
-        raise ClusterError(f"cannot start or join {where}: {exc}") from None
-    return True
+        raise ClusterError(f"cannot join the Ray cluster at {c.address}: {exc}") from None
+    return ray.shutdown
 
 
 def actor_options(opts: ServerOptions, c: ClusterOptions) -> dict[str, Any]:
@@ -99,12 +101,12 @@ class GatewayServer(TrunkServer):
 
     def __init__(self, opts: ServerOptions, cluster: ClusterOptions, **kw: Any) -> None:
         self.cluster = cluster
-        self._owns_ray = False
+        self._shutdown_ray: Callable[[], None] | None = None
         self._last_status = time.monotonic()
         super().__init__(opts, **kw)
 
     def _make_worker(self) -> Backend:
-        self._owns_ray = connect_ray(self.cluster)
+        self._shutdown_ray = connect_ray(self.cluster)
         try:
             self.router = ReplicaRouter(
                 self.config,
@@ -125,8 +127,8 @@ class GatewayServer(TrunkServer):
             )
             self.router.launch()
         except BaseException:
-            if self._owns_ray:
-                ray.shutdown()
+            if self._shutdown_ray is not None:
+                self._shutdown_ray()
             raise
         return self.router
 
@@ -188,8 +190,8 @@ class GatewayServer(TrunkServer):
         try:
             super().serve()
         finally:
-            if self._owns_ray:
-                ray.shutdown()
+            if self._shutdown_ray is not None:
+                self._shutdown_ray()
 
 
 def status_line(st: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from remote.flags import finite_float
+
 
 @dataclass
 class ClusterOptions:
@@ -30,15 +32,15 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
         metavar="auto|ADDRESS",
         help="serve through replicas on Ray: this process becomes the gateway (same socket, keys "
         "and checks) and each replica loads the trunk once. No value: a private Ray runtime on "
-        "this machine; auto: the cluster this node joined with `ray start`; or the head's "
-        "HOST:PORT",
+        "this machine (loopback only, its own token and temp folder); auto: the cluster this "
+        "node joined with `ray start`; or the head's HOST:PORT",
     )
     g.add_argument(
         "--replicas", type=int, default=1, metavar="N", help="trunk replicas (default 1)"
     )
     g.add_argument(
         "--gpus-per-replica",
-        type=float,
+        type=finite_float,
         default=None,
         metavar="G",
         help="GPUs per replica; G > 1 splits its layers into stages over them (default: 1 with "
@@ -46,7 +48,7 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cpus-per-replica",
-        type=float,
+        type=finite_float,
         default=1.0,
         metavar="C",
         help="CPUs Ray reserves per replica; a CPU replica's torch threads (default 1)",
