@@ -5,11 +5,12 @@ whoever can reach the port:
 
 * **Handshakes.** A connection that never finishes its handshake holds a file descriptor until
   ``ZMQ_HANDSHAKE_IVL`` (set to :data:`HANDSHAKE_S` by the server). :class:`ConnectionGuard`
-  also caps how many connections may be in their handshake at once, per source address and in
-  all, and shuts a new one beyond the cap at once. It learns of each connection from the socket
-  monitor (``ACCEPTED`` carries the file descriptor) and knows a handshake is over when the
-  server has written more than a handshake's worth to it (the READY command, sent only to a
-  client whose key was accepted) or a message came from it.
+  also caps how many connections may be in their handshake at once, per source address (fewer
+  once they have stalled for :data:`STALLED_S`, so a burst of honest clients behind one address
+  gets in) and in all, and shuts a new one beyond the cap at once. It learns of each connection
+  from the socket monitor (``ACCEPTED`` carries the file descriptor) and knows a handshake is
+  over when the server has written more than a handshake's worth to it (the READY command,
+  sent only to a client whose key was accepted) or a message came from it.
 * **Unfinished messages.** ``ZMQ_MAXMSGSIZE`` bounds each frame, and a message is handed over
   only when its last frame arrives: libzmq keeps the frames of an unfinished multipart message
   in memory, however many come. The guard learns which connection each message came from
@@ -51,7 +52,9 @@ from remote.loglimit import LogLimiter
 log = logging.getLogger("veil.trunk")
 
 HANDSHAKE_S = 5.0  # ZMQ_HANDSHAKE_IVL: a connection must finish its handshake within this
-PENDING_PER_ADDRESS = 32  # handshakes in progress from one source address
+STALLED_S = 0.5  # a handshake older than this has stalled (a client's takes milliseconds)
+PENDING_PER_ADDRESS = 32  # stalled handshakes from one source address
+BURST_PER_ADDRESS = 128  # handshakes in progress from one address, stalled or not
 PENDING_MAX = 512  # ... and in all (less where the open-file limit is low)
 DROP_FRAMES = 64  # a message of more frames than this is no client's mistake
 SLACK_BYTES = 256 << 10  # framing, CURVE boxes, heartbeats and the handshake itself
@@ -213,6 +216,7 @@ class ConnectionGuard:
             pending_max = max(8, min(PENDING_MAX, room))
         self.pending_max = pending_max
         self.per_address = min(per_address, pending_max)
+        self.burst = min(4 * per_address, pending_max)
         addr = f"inproc://veil-connections-{id(self)}"
         sock.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.monitor = ctx.socket(zmq.PAIR)
@@ -221,8 +225,10 @@ class ConnectionGuard:
         self.monitor.connect(addr)
         self._sock = sock
         log.info(
-            "at most %d handshakes in progress (%d per address), each within %g s%s",
+            "at most %d handshakes in progress (%d per address, %d of them stalled), each "
+            "within %g s%s",
             self.pending_max,
+            self.burst,
             self.per_address,
             HANDSHAKE_S,
             "" if self.linux else "; messages are bounded per frame only (this needs Linux)",
@@ -326,11 +332,13 @@ class ConnectionGuard:
         if peer is None:
             return  # gone already
         c = _Conn(fd, peer, now)
-        mine, total = self._handshakes(c.address, now)
-        if mine >= self.per_address or total >= self.pending_max:
+        stalled, mine, total = self._handshakes(c.address, now)
+        if stalled >= self.per_address or mine >= self.burst or total >= self.pending_max:
             self.conns[fd] = c
-            why = "from this address" if mine >= self.per_address else "in all"
-            self._drop(c, "%d handshakes already in progress %s", max(mine, total), why)
+            if total >= self.pending_max:
+                self._drop(c, "%d handshakes already in progress in all", total)
+            else:
+                self._drop(c, "%d handshakes already in progress from it", mine)
             return
         t = _tcp(fd) if self.linux else None
         if t is not None:
@@ -338,14 +346,14 @@ class ConnectionGuard:
         self.conns[fd] = self.young[fd] = c
         self._watch(c)
 
-    def _handshakes(self, address: str, now: float) -> tuple[int, int]:
-        """Connections still in their handshake: (from ``address``, in all)."""
+    def _handshakes(self, address: str, now: float) -> tuple[int, int, int]:
+        """Connections still in their handshake: (stalled from ``address``, from it, in all)."""
         while self.young:
             c = next(iter(self.young.values()))
             if now - c.accepted_at <= HANDSHAKE_S:
                 break
             self._settled(c)  # libzmq ends a handshake at HANDSHAKE_S: this one is done
-        mine = total = 0
+        stalled = mine = total = 0
         for c in list(self.young.values()):
             if now - c.looked_at > CHECK_STALE_S and self.linux:
                 c.looked_at = now
@@ -354,8 +362,10 @@ class ConnectionGuard:
                     self._settled(c)
                     continue
             total += 1
-            mine += c.address == address
-        return mine, total
+            if c.address == address:
+                mine += 1
+                stalled += now - c.accepted_at > STALLED_S
+        return stalled, mine, total
 
     def _settled(self, c: _Conn) -> None:
         c.in_handshake = False
