@@ -6,19 +6,25 @@ followed by whitespace and a note; other lines (``# comment``) are ignored.
 ``stat`` signature changes *or* at least every ``interval_s``, and compares the content's hash:
 two edits within one timestamp tick (same mtime and size) are still seen. A change that removes
 keys is confirmed by a second read, so a file caught half-written (an editor that truncates and
-rewrites) never revokes everyone for a moment. ``allow``/``revoke`` write atomically, and a
-line they add is ``KEY  # NOTE`` with a note that cannot break the line (:func:`note_problem`).
+rewrites) never revokes everyone for a moment. A read that fails (no free file descriptor, no
+permission, an I/O error) changes nothing: the last list read stays in force, the failure is
+logged once, and the file is read again at the next question. Only a file that is gone counts
+as an empty list. ``allow``/``revoke`` write atomically, and a line they add is
+``KEY  # NOTE`` with a note that cannot break the line (:func:`note_problem`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 import time
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
+
+log = logging.getLogger("veil.trunk")
 
 CONFIRM_S = 0.05  # pause before the confirming read of a change that removes keys
 MAX_NOTE = 200  # characters in the note ``allow --name`` stores next to a key
@@ -91,13 +97,30 @@ class AllowList:
         self._sig: tuple[int, int, int] | None = None
         self._digest: bytes | None = None
         self._read_at = float("-inf")
+        self.failing: OSError | None = None  # the error of the last read, until one works
 
-    def _read(self) -> bytes:
+    def _read(self) -> bytes | None:
+        """The file's bytes (empty when it does not exist), or None when it cannot be read."""
         assert self.path is not None
         try:
-            return self.path.read_bytes()
-        except OSError:
-            return b""  # missing (or unreadable): nobody is allowed
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            data = b""  # gone: nobody is allowed
+        except OSError as exc:
+            if self.failing is None:
+                log.warning(
+                    "cannot read the allow-list %s (%s): the last list read (%d keys) stays in "
+                    "force until it can be read again",
+                    self.path,
+                    exc.strerror or exc,
+                    len(self.keys),
+                )
+            self.failing = exc
+            return None
+        if self.failing is not None:
+            log.info("the allow-list %s can be read again", self.path)
+            self.failing = None
+        return data
 
     def refresh(self) -> None:
         """Re-read the file if its stat signature changed or ``interval_s`` has passed."""
@@ -113,13 +136,15 @@ class AllowList:
             return
         self._read_at = now
         data = self._read()
+        if data is None:
+            return  # keep the last list; try again at the next question
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if digest != self._digest:
             keys = parse_allow_list(data.decode("utf-8", "replace"))
             if self.keys - keys:  # something was revoked: make sure the file is complete
                 time.sleep(CONFIRM_S)
                 if self._read() != data:
-                    return  # still being written; look again next time
+                    return  # still being written (or unreadable now); look again next time
             self.keys, self._digest = keys, digest
         self._sig = sig
 

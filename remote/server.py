@@ -34,7 +34,8 @@ from engine.config import ModelConfig
 from engine.loading import WeightReader, load_config, resolve, weights_fingerprint
 from engine.model import layer_tensor_names
 from engine.quant.load import client_reader, resolve_quant
-from remote.gate import ConnectionGate
+from remote.gate import ZAP_DOMAIN, ConnectionGate, ZapHandler
+from remote.netguard import HANDSHAKE_S, ConnectionGuard
 from remote.stages import Stage, load_stages, parse_devices, split_layers
 from remote.worker import Done, Job, TrunkWorker, WorkerOptions
 
@@ -150,7 +151,8 @@ class TrunkServer:
         self._stop = threading.Event()
         self.address = ""
         self.ready = threading.Event()
-        self.auth: Any = None
+        self.zap: ZapHandler | None = None  # the handshake's allow-list check (CURVE)
+        self.guard: ConnectionGuard | None = None  # handshakes and unfinished messages
         self.stats = {"steps": 0, "errors": 0, "opened": 0}
         self.gate = ConnectionGate(allowed, opts.insecure)  # socket thread: the allow-list
 
@@ -222,50 +224,42 @@ class TrunkServer:
         # connection can take over where a reply goes. (Clients leave the id to the server; a
         # reconnected client is found again by its key and session, see `_owned`.)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
-        sock.setsockopt(
-            zmq.MAXMSGSIZE, P.MAX_BLOCK * self.config.hidden_size * 4 + P.MAX_HEADER_BYTES
-        )
+        # the largest valid message: a header and one [4096, H] float32 tensor (per frame for
+        # libzmq; the guard bounds the whole message)
+        max_message = P.MAX_BLOCK * self.config.hidden_size * 4 + P.MAX_HEADER_BYTES
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.RCVHWM, 1000)
         if not self.opts.insecure:
-            from zmq.auth.thread import ThreadAuthenticator
-
-            self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("veil.trunk.zap"))
-            self.auth.start()
-            self.auth.configure_curve_callback(domain="veil", credentials_provider=self)
-            sock.setsockopt(zmq.ZAP_DOMAIN, b"veil")
+            self.zap = ZapHandler(self.ctx, self.allowed)
+            sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
             sock.curve_server = True
             sock.curve_secretkey = self.secret_key
             sock.curve_publickey = self.public_key
+        mechanism = "NULL" if self.opts.insecure else "CURVE"
+        self.guard = ConnectionGuard(self.ctx, sock, max_message, 1 + P.MAX_FRAMES, mechanism)
         sock.bind(self.opts.bind)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return sock
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        """ZAP credentials provider: is this CURVE public key (z85) on the allow-list?"""
-        try:
-            z85 = zmq.utils.z85.encode(key).decode() if len(key) == 32 else key.decode()
-        except Exception:
-            return False
-        ok = bool(self.allowed and self.allowed(z85))
-        if not ok:
-            log.warning("refused a client key %s...: not on the allow-list", z85[:8])
-        return ok
-
     def serve(self) -> None:
         """Run until :meth:`stop` (call from the main thread; blocks)."""
         sock = self._setup_socket()
+        guard = self.guard
+        assert guard is not None
         back = self.ctx.socket(zmq.PAIR)
         back.bind(f"inproc://veil-worker-{id(self)}")
         self.worker.start()
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(back, zmq.POLLIN)
+        for s in (sock, back, guard.monitor, guard.fileno, self.zap and self.zap.sock):
+            if s is not None:
+                poller.register(s, zmq.POLLIN)
         self.ready.set()
         last_reap = time.monotonic()
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(200))
+                events = dict(poller.poll(guard.timeout_ms(time.monotonic(), 200)))
                 if back in events:
                     while True:
                         try:
@@ -273,27 +267,45 @@ class TrunkServer:
                         except zmq.Again:
                             break
                         self._deliver(sock, frames)
-                if sock in events:
-                    for _ in range(64):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._handle(sock, frames)
+                if sock in events or guard.wants_drain:
+                    self._read(sock, guard)
+                if self.zap is not None:
+                    self.zap.answer()
                 now = time.monotonic()
+                guard.run(now)
                 if now - last_reap > 0.5:
                     self._reap(now)
                     last_reap = now
+                    self.gate.refused.flush()
+                    if self.zap is not None:
+                        self.zap.refused.flush()
         finally:
             self.worker.stop()
             if self._out is not None:
                 self._out.close(0)
             back.close(0)
+            guard.close()
             sock.close(0)
-            if self.auth is not None:
-                self.auth.stop()
+            self.gate.refused.flush(everything=True)
+            if self.zap is not None:
+                self.zap.refused.flush(everything=True)
+                self.zap.close()
             self.ctx.term()
             log.info("stopped")
+
+    def _read(self, sock: zmq.Socket, guard: ConnectionGuard) -> None:
+        """Handle up to 64 waiting messages (received through the guard)."""
+        for _ in range(64):
+            got = guard.receive(sock, time.monotonic())
+            if got is None:
+                return
+            frames, extra = got
+            if not extra:
+                self._handle(sock, frames)
+            elif len(frames) > 1:  # more frames than any message has: never read into memory
+                n = len(frames) - 1 + extra
+                msg = f"a message has 1 or {P.MAX_FRAMES} frames, got {n}"
+                self._error(sock, bytes(frames[0].bytes), P.E_BAD_MESSAGE, msg)
 
     def _send(self, sock: zmq.Socket, frames: list[Any]) -> None:
         try:

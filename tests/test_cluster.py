@@ -34,6 +34,7 @@ from remote.cluster import wire
 from remote.cluster.options import ClusterOptions
 from remote.cluster.placement import Load, add_counts, choose_replica, slot_bytes_for
 from remote.server import ServerOptions, TrunkServer
+from tests.raw_zmtp import RawClient
 from tests.tiny import make_model
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47]
@@ -374,6 +375,22 @@ def test_another_key_cannot_touch_a_session_on_any_replica(
         for r, trunk in zip(runners, (a1, a2), strict=True):
             assert generate(r, PROMPT, GREEDY).token_ids == reference["sequential"]
             assert trunk.replays == 0
+
+
+@pytest.mark.slow
+def test_the_gateway_cuts_off_a_message_that_never_ends(gateway: Any, folder: Path) -> None:
+    """The gateway is the server's socket code: an allowed key's multipart message that never
+    ends is cut off past the largest valid message, and the gateway goes on serving."""
+    w = RawClient(gateway.address, SERVER_KEYS[0], CLIENT_KEYS)
+    pushed = 0
+    with pytest.raises(ConnectionResetError):
+        while pushed < 64 << 20:  # the largest valid message here is ~1 MiB
+            wire_bytes = w.frame(bytes(256 << 10), more=True)
+            w.send(wire_bytes)
+            pushed += len(wire_bytes)
+    w.close()
+    with _connect(gateway.address, load_client(str(folder), 1)) as trunk:
+        assert trunk.forward(torch.zeros(2, trunk.hidden_size), torch.arange(2)).shape == (2, 64)
 
 
 @pytest.mark.slow

@@ -6,8 +6,6 @@ start with '-' included), shared by the module."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,16 +18,14 @@ import zmq
 from engine import protocol as P
 from engine.errors import AuthError
 from engine.generate import generate
-from engine.local_server import free_port
 from engine.sampling import SamplingParams
 from engine.split import ClientModel, SplitRunner, load_client, load_trunk
-from engine.transport import RemoteTrunk, connect_trunk
 from engine.transport.policy import PREFILL_CHUNK
 from remote.allowlist import AllowList
 from remote.cli import main as trunk_cli
 from tests.fake_trunk import hidden
 from tests.fixed_keys import DASH_KEYS, PLAIN_KEYS
-from tests.hardening_support import FAST, REPO, make_tiny_8k
+from tests.hardening_support import KeyedServer, make_tiny_8k
 
 
 @pytest.fixture(scope="module")
@@ -40,60 +36,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def client(tiny: Path) -> ClientModel:
     return load_client(str(tiny), 1)
-
-
-class KeyedServer:
-    """``veil-trunk serve`` with a keys folder and an allow-list file (as an admin runs it)."""
-
-    def __init__(self, model: Path, keys_dir: Path, extra: list[str]) -> None:
-        self.keys_dir = keys_dir
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.public_key = (keys_dir / "server.key").read_text().split("=", 1)[1].strip()
-        cmd = [sys.executable, "-m", "remote.cli", "serve", "--model", str(model)]
-        cmd += ["--keys", str(keys_dir), "--bind", self.address, "--threads", "1", *extra]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
-        )
-        self.stderr: list[str] = []
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        threading.Thread(target=self._drain, daemon=True).start()
-        line = self.proc.stdout.readline()
-        assert line.startswith("READY "), (line, self.stderr)
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.stderr.append(line.rstrip("\n"))
-
-    def socket(self, keypair: tuple[str, str], ident: bytes | None = None) -> zmq.Socket:
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        if ident is not None:
-            s.setsockopt(zmq.ROUTING_ID, ident)
-            s.setsockopt(zmq.RECONNECT_IVL, -1)  # a kicked-out connection stays out
-        s.curve_serverkey = self.public_key.encode()
-        s.curve_publickey = keypair[0].encode()
-        s.curve_secretkey = keypair[1].encode()
-        s.connect(self.address)
-        return s
-
-    def connect(self, client: ClientModel, keypair: tuple[str, str], **kw: float) -> RemoteTrunk:
-        opts = {**FAST, "step_timeout_s": 30.0, **kw}
-        return connect_trunk(
-            self.address,
-            client,
-            server_key=self.public_key,
-            client_keys=keypair,
-            wire_dtype="float32",
-            **opts,  # type: ignore[arg-type]
-        )
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")

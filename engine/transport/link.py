@@ -36,6 +36,7 @@ class Link:
         self._last_heard = time.monotonic()
         self._auth_failed = False
         self._handshake_trouble = False
+        self._keys_unchecked = False
 
     def _connect(self) -> None:
         self._close_socket()
@@ -103,7 +104,12 @@ class Link:
                 return
             e = ev["event"]
             if e == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self._auth_failed = True
+                # ZAP 400 is the server's verdict on our key; 500 (or 300) means it cannot
+                # check keys now, its own trouble: not a verdict, the connection is retried
+                if ev["value"] == 400:
+                    self._auth_failed = True
+                else:
+                    self._keys_unchecked = True
             elif e in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 self._handshake_trouble = True
 

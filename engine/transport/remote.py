@@ -213,6 +213,11 @@ class RemoteTrunk(Link):
             if self._auth_failed:
                 raise self._auth_error()
             if now > deadline:
+                if self._keys_unchecked:
+                    raise _NoAnswer(
+                        f"the trunk server at {self.address} cannot check keys right now",
+                        hint="a problem on the server: try again later, or tell its admin",
+                    )
                 if self._handshake_trouble:
                     raise _NoAnswer(
                         f"the encrypted handshake with {self.address} failed",
