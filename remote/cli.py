@@ -179,10 +179,11 @@ def build_parser() -> Parser:
     s.add_argument(
         "--prefill-chunk",
         type=int,
-        default=256,
+        default=None,
         metavar="ROWS",
         help="longer steps (prompts) run in chunks of this many rows, with other sessions' "
-        "steps in between (default 256)",
+        "steps in between (default 256 on a GPU, 32 on a CPU: a short step waits for about "
+        "one chunk)",
     )
     s.add_argument(
         "--no-batching",
@@ -268,7 +269,8 @@ def build_parser() -> Parser:
         default=None,
         metavar="FILE",
         help='JSON {"public": ..., "secret": ...} of an allowed client keypair (default: this '
-        "computer's Veil keypair)",
+        "computer's Veil keypair; a client key sees its own sessions and batches), or the "
+        "server's --keys folder (the admin's view: every user's)",
     )
     st.add_argument("--insecure", action="store_true", help="plain TCP (loopback only)")
     st.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
@@ -395,7 +397,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kernels.set_threads(args.kernel_threads)
     if not args.bind.startswith("tcp://"):
         raise CliError("--bind must be a tcp://HOST:PORT address")
-    if args.max_batch_rows < 1 or args.prefill_chunk < 1:
+    if args.max_batch_rows < 1 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
         raise CliError("--max-batch-rows and --prefill-chunk must be at least 1")
     stage_layers = None
     if args.stage_layers is not None:
