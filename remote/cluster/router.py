@@ -38,7 +38,13 @@ import zmq
 from engine import protocol as P
 from engine.config import ModelConfig
 from remote.cluster import wire
-from remote.cluster.placement import SETTINGS, add_counts, mean_batch_rows, slot_bytes_for
+from remote.cluster.placement import (
+    COUNTERS,
+    SETTINGS,
+    add_counts,
+    mean_batch_rows,
+    slot_bytes_for,
+)
 from remote.cluster.replica import ReplicaSpec
 from remote.worker import Done, Job
 
@@ -345,7 +351,7 @@ class ReplicaRouter:
             for r in reps:
                 if r.last_stats and not out:
                     out.update({k: r.last_stats[k] for k in SETTINGS if k in r.last_stats})
-            merged: dict[str, Any] = {}
+            merged: dict[str, Any] = {} if owner is None else dict.fromkeys(COUNTERS, 0)
             per: list[dict[str, Any]] = []
             for r in reps:
                 mine: dict[str, Any] = {}
