@@ -4,8 +4,8 @@
                                   [--n-prompts N] [--out OUT.json]
 
 The reference is the float32 model: the GGUF (the default model's Q4_1 file unless ``--model``
-names another) dequantized (``--client-quant none``). Each other variant runs fully local through Veil's own loader and
-kernels:
+names another) dequantized (``--client-quant none``). Each other variant runs fully local
+through Veil's own loader and kernels:
 
 * ``gguf-<type>``: the GGUF re-quantized by llama.cpp's own quantizer (``llama-cpp-python``,
   from the same Q4_1 file with requantization allowed; skipped if it is not importable) and

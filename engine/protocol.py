@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -343,15 +344,20 @@ def _bool(h: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-def _int_list(h: dict[str, Any], key: str, optional: bool) -> list[int] | None:
+def _list(h: dict[str, Any], key: str, optional: bool) -> list[Any] | None:
+    """A list field, its length checked (not its entries: see :func:`check_ints`)."""
     v = h.get(key)
     if v is None and optional:
         return None
     if not isinstance(v, list) or len(v) > MAX_BLOCK:
         raise _bad(f"field '{key}' must be a list of at most {MAX_BLOCK} integers")
-    if any(type(x) is not int for x in v):
-        raise _bad(f"field '{key}' must hold integers only")
     return v
+
+
+def check_ints(key: str, v: Sequence[Any]) -> None:
+    """Every entry of list field ``key`` an integer (not a bool, not a float)."""
+    if not set(map(type, v)) <= {int}:
+        raise _bad(f"field '{key}' must hold integers only")
 
 
 def check_block(positions: Sequence[int], parents: Sequence[int] | None) -> None:
@@ -359,7 +365,7 @@ def check_block(positions: Sequence[int], parents: Sequence[int] | None) -> None
     n = len(positions)
     if n == 0:
         raise _bad("a step needs at least one token")
-    if any(not 0 <= p < MAX_POSITION for p in positions):
+    if min(positions) < 0 or max(positions) >= MAX_POSITION:
         raise _bad(f"positions must lie in [0, {MAX_POSITION})")
     if parents is not None:
         if len(parents) != n:
@@ -374,9 +380,9 @@ def check_block(positions: Sequence[int], parents: Sequence[int] | None) -> None
 
 
 def check_keep(keep: Sequence[int] | None) -> None:
-    if keep is None:
+    if not keep:
         return
-    if any(k < 0 for k in keep) or any(b <= a for a, b in itertools.pairwise(keep)):
+    if keep[0] < 0 or not all(map(operator.lt, keep, itertools.islice(keep, 1, None))):
         raise _bad("keep must be strictly ascending, non-negative node indices")
 
 
@@ -485,18 +491,24 @@ def decode(frames: Sequence[Any]) -> Message:
             server_dtype=str(_str(h, "server_dtype", 16)),
         )
     if t == STEP:
-        positions = _int_list(h, "positions", optional=False)
+        # Sizes first, entries last: a message whose lists disagree with its tensor is refused
+        # before any list is walked (cheap to send must not mean costly to check).
+        positions = _list(h, "positions", optional=False)
         assert positions is not None
-        parents = _int_list(h, "parents", optional=True)
-        keep = _int_list(h, "keep", optional=True)
-        check_block(positions, parents)
-        check_keep(keep)
+        parents = _list(h, "parents", optional=True)
+        keep = _list(h, "keep", optional=True)
         dt = str(_str(h, "dtype", 16))
         hidden = _tensor(frames[1], dt, h.get("shape"))
-        if hidden.shape[0] != len(positions):
-            raise ProtocolError(
-                E_SHAPE, f"{hidden.shape[0]} hidden rows for {len(positions)} positions"
-            )
+        n = hidden.shape[0]
+        if n != len(positions):
+            raise ProtocolError(E_SHAPE, f"{n} hidden rows for {len(positions)} positions")
+        if parents is not None and len(parents) != n:
+            raise _bad(f"parents has {len(parents)} entries for a block of {n}")
+        for key, v in (("positions", positions), ("parents", parents), ("keep", keep)):
+            if v is not None:
+                check_ints(key, v)
+        check_block(positions, parents)
+        check_keep(keep)
         return Step(
             session=str(_str(h, "session", MAX_ID_LEN)),
             step=_int(h, "step", 0, 1 << 62),

@@ -181,10 +181,11 @@ def build_parser() -> Parser:
     s.add_argument(
         "--prefill-chunk",
         type=int,
-        default=256,
+        default=None,
         metavar="ROWS",
         help="longer steps (prompts) run in chunks of this many rows, with other sessions' "
-        "steps in between (default 256)",
+        "steps in between (default 256 on a GPU, 32 on a CPU: a short step waits for about "
+        "one chunk)",
     )
     s.add_argument(
         "--no-batching",
@@ -270,7 +271,8 @@ def build_parser() -> Parser:
         default=None,
         metavar="FILE",
         help='JSON {"public": ..., "secret": ...} of an allowed client keypair (default: this '
-        "computer's Veil keypair)",
+        "computer's Veil keypair; a client key sees its own sessions and batches), or the "
+        "server's --keys folder (the admin's view: every user's)",
     )
     st.add_argument("--insecure", action="store_true", help="plain TCP (loopback only)")
     st.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
@@ -427,7 +429,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     problem = tcp_address_problem(args.bind, bind=True)
     if problem is not None:
         raise CliError(f"--bind: {problem}")
-    if args.max_batch_rows < 1 or args.prefill_chunk < 1:
+    if args.max_batch_rows < 1 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
         raise CliError("--max-batch-rows and --prefill-chunk must be at least 1")
     if args.max_context is not None and args.max_context < 1:
         raise CliError("--max-context must be at least 1")

@@ -36,7 +36,8 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="FILE",
         help='JSON {"public": ..., "secret": ...} of an allowed client keypair (default: this '
-        "computer's Veil keypair from the keyring)",
+        "computer's Veil keypair from the keyring), or the server's --keys folder: its own "
+        "keypair, the admin's, which sees every user's batches",
     )
     lt.add_argument(
         "--spawn",
@@ -160,12 +161,20 @@ def resolve_target(args: argparse.Namespace, server: str) -> Any:
         raise CliError(f"--server: {problem}")
     if args.insecure:
         return Target(address, None, None, "")
-    skey = args.server_key or invite_key or K.server_key(address)
+    admin: tuple[str, str] | None = None
+    if args.client_keys is not None and args.client_keys.is_dir():
+        from remote.cli import load_server_keys
+
+        # the server's own keypair: the admin's view (every user's statistics, not only its own)
+        admin = load_server_keys(args.client_keys)
+    skey = args.server_key or invite_key or (admin and admin[0]) or K.server_key(address)
     if skey is None:
         raise CliError(f"no key for {address}: pass an invite code or --server-key")
     if (problem := curve_key_problem(skey)) is not None:
         raise CliError(f"--server-key is not a server public key: {problem}")
-    if args.client_keys is not None:
+    if admin is not None:
+        ckeys = admin
+    elif args.client_keys is not None:
         try:
             d = json.loads(args.client_keys.read_text())
             ckeys = (str(d["public"]), str(d["secret"]))

@@ -35,6 +35,7 @@ from engine.loading import WeightReader, load_config, resolve, weights_fingerpri
 from engine.model import layer_tensor_names
 from engine.quant.load import client_reader, resolve_quant
 from remote.gate import ZAP_DOMAIN, ConnectionGate, ZapHandler
+from remote.limits import ClientLimits, with_admin
 from remote.netguard import HANDSHAKE_S, ConnectionGuard
 from remote.stages import Stage, load_stages, parse_devices, split_layers
 from remote.worker import Done, Job, TrunkWorker, WorkerOptions
@@ -50,12 +51,12 @@ class Backend(Protocol):
     process, or the Ray gateway's router over replicas (``remote/cluster/router.py``)."""
 
     def slot_bytes(self, start: int, end: int) -> int: ...
-    def open(self, sid: str, start: int, end: int, capacity: int) -> None: ...
+    def open(self, sid: str, start: int, end: int, capacity: int, owner: str = "") -> None: ...
     def close(self, sid: str) -> None: ...
     def submit(self, job: Job) -> None: ...
     def start(self) -> None: ...
     def stop(self, timeout: float = 5.0) -> None: ...
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self, owner: str | None = None) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -74,9 +75,10 @@ class ServerOptions:
     devices: str | None = None  # "cuda:0,cuda:1": layers split into stages (None: `device`)
     stage_layers: list[int] | None = None  # layers per stage (None: by free memory)
     max_batch_rows: int = 256
-    prefill_chunk: int = 256
+    prefill_chunk: int | None = None  # None: 256 rows on a GPU, 32 on a CPU
     batching: bool = True
     quant: str = "none"  # trunk matrices on CPU: auto (GGUF kept quantized), none, int8, int4
+    silent_s: float = 10.0  # a session with steps in flight whose client said nothing this long
 
 
 @dataclass
@@ -86,10 +88,13 @@ class Session:
     user: str  # CURVE public key that opened it, and owns it ("" when insecure)
     dtype: str  # wire dtype
     max_context: int
+    client: str = ""  # whose limits and turns it counts in: the key (the connection if insecure)
     last_step: int = -1  # last step accepted (queued or done)
     in_flight: int = 0  # steps queued or running
     reply: list[Any] = field(default_factory=list)  # cached reply frames of last_step
     last_used: float = field(default_factory=time.monotonic)
+    last_heard: float = field(default_factory=time.monotonic)  # any message about it (pings too)
+    queued_rows: int = 0  # rows of its steps queued or running
     closed: bool = False
     # The cache as it will be once every accepted step has run — known at accept time, so
     # keep, context and memory checks answer at once, and the worker never refuses a step.
@@ -124,7 +129,10 @@ class TrunkServer:
         self.opts = opts
         self.secret_key = secret_key
         self.public_key = public_key
-        self.allowed = allowed
+        # The server's own keypair is the admin's: whoever holds its secret may connect with it
+        # (`veil-trunk status --client-keys KEYS_DIR`) and sees every statistic.
+        self.admin = public_key.decode() if public_key is not None else None
+        self.allowed = with_admin(allowed, self.admin)
         from engine.session import parse_dtype
 
         self.dtype = parse_dtype(opts.dtype, opts.device)
@@ -154,7 +162,8 @@ class TrunkServer:
         self.zap: ZapHandler | None = None  # the handshake's allow-list check (CURVE)
         self.guard: ConnectionGuard | None = None  # handshakes and unfinished messages
         self.stats = {"steps": 0, "errors": 0, "opened": 0}
-        self.gate = ConnectionGate(allowed, opts.insecure)  # socket thread: the allow-list
+        self.gate = ConnectionGate(self.allowed, opts.insecure)  # socket thread: the allow-list
+        self.limits = ClientLimits(self.config.hidden_size, opts.max_sessions_per_client)
 
     def _make_worker(self) -> Backend:
         """What computes the steps: the trunk layers, read once, and a batching worker over them.
@@ -197,11 +206,13 @@ class TrunkServer:
     def stop(self) -> None:
         self._stop.set()
 
-    def public_stats(self) -> dict[str, Any]:
-        """What any allowed client may learn: the model and layers served, the batching
-        settings and the worker's counters (aggregates only, nothing per session)."""
+    def public_stats(self, owner: str | None = None) -> dict[str, Any]:
+        """The model and layers served, the batching settings, and the counters: of the whole
+        server (the admin's view), or with ``owner`` of that client key alone — its open
+        sessions, its steps, the batches its work ran in and its own rows in each."""
         with self.lock:
-            n = len([s for s in self.sessions.values() if not s.closed])
+            live = [s for s in self.sessions.values() if not s.closed]
+            n = len([s for s in live if owner is None or s.client == owner])
         return {
             "model": self.model_name,
             "config_fp": self.config_fp,
@@ -211,8 +222,17 @@ class TrunkServer:
             "max_context": self.max_context,
             "dtype": str(self.dtype).removeprefix("torch."),
             "sessions": n,
-            **self.worker.stats(),
+            "scope": "all" if owner is None else "own",  # every user's counters, or the key's
+            **self.worker.stats(owner),
         }
+
+    def stats_for(self, user: str) -> dict[str, Any]:
+        """What a ``stats`` ping from the key ``user`` gets: everything for the admin (the
+        server's own key; any client of an ``--insecure`` server, which knows no keys), else
+        that key's own counters only — never anything about other users' work."""
+        if self.opts.insecure or user == self.admin:
+            return self.public_stats()
+        return self.public_stats(user)
 
     # ------------------------------------------------------------------ socket thread
 
@@ -351,6 +371,7 @@ class TrunkServer:
             if s.owner != ident:
                 log.debug("session %s: its client spoke from a new connection", sid[:8])
                 s.owner = ident
+            s.last_heard = time.monotonic()
         return s
 
     def _handle(self, sock: zmq.Socket, frames: list[Any]) -> None:
@@ -368,15 +389,23 @@ class TrunkServer:
         if refusal is not None:
             self._error(sock, ident, P.E_DENIED, refusal)
             return
+        client = ident.hex() if self.opts.insecure else user
+        now = time.monotonic()
+        if not self.limits.checks.allows(client, now):  # over its share of checks: unread
+            log.debug("a message from %s... dropped: over its share of message checks", client[:8])
+            return
+        t0 = time.thread_time()
         try:
             msg = P.decode(frames[1:])
         except P.ProtocolError as exc:
+            self.limits.checks.charge(client, time.thread_time() - t0, now)
             self._error(sock, ident, exc.code, exc.message)
             return
         except Exception as exc:  # decoder bug: never take the server down
             log.exception("decoder failure")
             self._error(sock, ident, P.E_BAD_MESSAGE, f"cannot decode message: {exc}")
             return
+        self.limits.checks.charge(client, time.thread_time() - t0, now)
         if isinstance(msg, P.Ping):
             pong = P.Pong(msg.nonce)
             if msg.session:
@@ -384,12 +413,14 @@ class TrunkServer:
                 if s is not None:  # a ping does not keep a session alive: only steps do
                     pong = P.Pong(msg.nonce, True, s.last_step, s.in_flight > 0)
             if msg.stats:
-                pong.stats = self.public_stats()
+                pong.stats = self.stats_for(user)
             self._reply(sock, ident, pong)
         elif isinstance(msg, P.Open):
             self._open(sock, ident, user, msg)
         elif isinstance(msg, P.Step):
+            t0 = time.thread_time()
             self._step(sock, ident, user, msg)
+            self.limits.checks.charge(client, time.thread_time() - t0, now)
         elif isinstance(msg, P.Close):
             s = self._owned(msg.session, ident, user)
             if s is None:
@@ -442,8 +473,9 @@ class TrunkServer:
         with self.lock:
             n = len([s for s in self.sessions.values() if not s.closed])
         sid = secrets.token_hex(12)
-        self.worker.open(sid, m.start, m.end, INITIAL_CAPACITY)
-        s = Session(sid, ident, user, m.dtype, min(m.max_context, self.max_context))
+        client = ident.hex() if self.opts.insecure else user
+        self.worker.open(sid, m.start, m.end, INITIAL_CAPACITY, client)
+        s = Session(sid, ident, user, m.dtype, min(m.max_context, self.max_context), client)
         s.capacity, s.slot_bytes = INITIAL_CAPACITY, slot_bytes
         with self.lock:
             self.sessions[sid] = s
@@ -493,93 +525,26 @@ class TrunkServer:
             return
         s.last_used = time.monotonic()
         if m.step == s.last_step:  # a retry
-            if s.in_flight == 0 and s.reply:
+            again = self.limits.resend(s, m, time.monotonic())
+            if isinstance(again, tuple):
+                self._error(sock, ident, *again, m.session, m.step)
+            elif again:
                 self._send(sock, [ident, *s.reply])
-            return  # still computing: its reply is on the way
-        if s.in_flight >= MAX_IN_FLIGHT:
-            msg = f"server busy: {s.in_flight} steps of this session are still being computed"
-            self._error(sock, ident, P.E_BUSY, msg, m.session, m.step)
-            return
-        if m.step != s.last_step + 1:
-            self._error(
-                sock,
-                ident,
-                P.E_BAD_STEP,
-                f"step {m.step} out of order (expected {s.last_step + 1})",
-                m.session,
-                m.step,
-            )
-            return
-        if m.dtype != s.dtype:
-            self._error(
-                sock,
-                ident,
-                P.E_SHAPE,
-                f"session uses {s.dtype}, step sent {m.dtype}",
-                m.session,
-                m.step,
-            )
-            return
-        if m.hidden.shape[1] != self.config.hidden_size:
-            self._error(
-                sock,
-                ident,
-                P.E_SHAPE,
-                f"hidden size {m.hidden.shape[1]}, the model has {self.config.hidden_size}",
-                m.session,
-                m.step,
-            )
-            return
-        if max(m.positions) >= s.max_context:
-            self._error(
-                sock,
-                ident,
-                P.E_CONTEXT,
-                f"position {max(m.positions)} is beyond the session's context of {s.max_context}",
-                m.session,
-                m.step,
-            )
             return
         n = len(m.positions)
-        if m.keep and m.keep[-1] >= s.prev_block:
-            self._error(
-                sock,
-                ident,
-                P.E_BAD_MESSAGE,
-                f"keep index {m.keep[-1]} is outside the previous block of {s.prev_block}",
-                m.session,
-                m.step,
-            )
-            return
         length = (s.length if m.keep is None else s.block_start + len(m.keep)) + n
-        if length > s.max_context:
-            self._error(
-                sock,
-                ident,
-                P.E_CONTEXT,
-                f"the session's context of {s.max_context} tokens is full",
-                m.session,
-                m.step,
-            )
-            return
         cap = s.capacity
         while cap < length:
             cap *= 2
-        grow = (cap - s.capacity) * s.slot_bytes
-        if grow > 0 and not self._can_grow(s, grow):
-            self._error(
-                sock,
-                ident,
-                P.E_BUSY,
-                "server busy: the KV-cache memory cap is reached",
-                m.session,
-                m.step,
-            )
+        problem = self._step_problem(s, m, length, cap)
+        if problem is not None:
+            self._error(sock, ident, *problem, m.session, m.step)
             return
         with self.lock:
             s.prev_block, s.length, s.block_start, s.capacity = n, length, length - n, cap
             s.last_step = m.step
             s.in_flight += 1
+            s.queued_rows += n
             s.reply = []
         self.worker.submit(
             Job(
@@ -594,6 +559,36 @@ class TrunkServer:
                 tag=s,
             )
         )
+
+    def _step_problem(self, s: Session, m: P.Step, length: int, cap: int) -> tuple[str, str] | None:
+        """Why step ``m`` of session ``s`` is refused, as (code, message); None: it is accepted.
+        ``length`` and ``cap``: the session's cache length and capacity once it has run."""
+        if s.in_flight >= MAX_IN_FLIGHT:
+            n = s.in_flight
+            return P.E_BUSY, f"server busy: {n} steps of this session are still being computed"
+        if m.step != s.last_step + 1:
+            return P.E_BAD_STEP, f"step {m.step} out of order (expected {s.last_step + 1})"
+        if m.dtype != s.dtype:
+            return P.E_SHAPE, f"session uses {s.dtype}, step sent {m.dtype}"
+        if m.hidden.shape[1] != self.config.hidden_size:
+            h = self.config.hidden_size
+            return P.E_SHAPE, f"hidden size {m.hidden.shape[1]}, the model has {h}"
+        top = max(m.positions)
+        if top >= s.max_context:
+            return P.E_CONTEXT, f"position {top} is beyond the session's context of {s.max_context}"
+        with self.lock:
+            busy = self.limits.queue_refusal(self.sessions.values(), s, len(m.positions))
+        if busy is not None:
+            return P.E_BUSY, busy
+        if m.keep and m.keep[-1] >= s.prev_block:
+            k, prev = m.keep[-1], s.prev_block
+            return P.E_BAD_MESSAGE, f"keep index {k} is outside the previous block of {prev}"
+        if length > s.max_context:
+            return P.E_CONTEXT, f"the session's context of {s.max_context} tokens is full"
+        grow = (cap - s.capacity) * s.slot_bytes
+        if grow > 0 and not self._can_grow(s, grow):
+            return P.E_BUSY, "server busy: the KV-cache memory cap is reached"
+        return None
 
     def _admit(self, slot_bytes: int) -> str | None:
         """Why a new session over ``slot_bytes`` per token cannot open now (None: it can). The
@@ -618,13 +613,13 @@ class TrunkServer:
         log.info("session %s %s", s.sid[:8], why)
 
     def _reap(self, now: float) -> None:
-        """Drop sessions without a step for the TTL (pings do not count) and revoked keys'."""
+        """Drop sessions without a step for the TTL (pings do not count), sessions with steps
+        queued whose client went silent (a waiting client pings every heartbeat: this one left,
+        so its queued work is dropped, not computed for nobody) and revoked keys'."""
         with self.lock:
             live = list(self.sessions.values())
-        ttl = self.opts.session_ttl_s
-        for s in live:
-            if s.in_flight == 0 and now - s.last_used > ttl:
-                self._drop(s, f"expired after {ttl:g} s idle (no step)")
+        for s, why in self.limits.to_reap(live, now, self.opts.session_ttl_s, self.opts.silent_s):
+            self._drop(s, why)
         revoked = {u for u in {s.user for s in live} if not self.gate.key_allowed(u)}
         for s in live:
             if s.user in revoked and not s.closed:
@@ -648,6 +643,7 @@ class TrunkServer:
         with self.lock:
             s.reply = frames if d.error is None else []
             s.in_flight -= 1
+            s.queued_rows -= len(d.job.positions)
             s.last_used = time.monotonic()
         if self._out is None:
             self._out = self.ctx.socket(zmq.PAIR)

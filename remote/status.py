@@ -1,9 +1,11 @@
 """``veil-trunk status``: what a running trunk server (or Ray gateway) says about itself.
 
-It asks with the protocol's ``stats`` ping — the same public, aggregate-only statistics the load
-test reads — so it needs an allowed client key like any client, and nothing on the server's
-machine. A gateway adds one entry per replica: state, sessions, booked KV cache, steps, batches
-and their mean size, and how often the replica was lost.
+It asks with the protocol's ``stats`` ping — the statistics the load test reads — so it needs
+an allowed client key like any client, and nothing on the server's machine. A client key sees
+its own sessions and batches only; the server's own keypair (its ``--keys`` folder, so on the
+server's machine, as its user) sees everyone's. A gateway adds one entry per replica: state,
+sessions, booked KV cache, steps, batches and their mean size, and how often the replica was
+lost.
 """
 
 from __future__ import annotations
@@ -17,14 +19,20 @@ def _mean_rows(hist: dict[str, Any]) -> float:
 
 
 def format_status(st: dict[str, Any], address: str) -> str:
+    own = st.get("scope") == "own"
     lines = [
         f"veil-trunk at {address}: {st.get('model', '?')}, layers {st.get('layers')}, "
-        f"{st.get('sessions', 0)} session(s) open",
+        f"{st.get('sessions', 0)} session(s) open" + (" by this key" if own else ""),
         f"batching {'on' if st.get('batching') else 'off'} (up to {st.get('max_batch_rows')} rows,"
         f" {st.get('kernel', '?')}): {st.get('steps', 0)} steps in {st.get('batches', 0)} batches"
         f" (mean {_mean_rows(st.get('batch_rows_hist', {})):.2f} rows), "
         f"{st.get('errors', 0)} error(s)",
     ]
+    if own:
+        lines.append(
+            "(this key's own work only; every user's: --client-keys with the server's --keys "
+            "folder, on the server)"
+        )
     states = st.get("replica_state")
     if not states:
         return "\n".join(lines)

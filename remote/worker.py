@@ -6,14 +6,16 @@ worker answers each job exactly once with a :class:`Done` through the ``on_done`
 own scheduler thread. The interface (documented in ``docs/architecture.md``):
 
 * ``slot_bytes(start, end)`` — KV bytes per cached token for a session over [start, end);
-* ``open(sid, start, end, capacity)`` / ``close(sid)`` — a session's caches (``close`` at any
-  time: a job of it that is running finishes and is answered ``unknown_session``);
+* ``open(sid, start, end, capacity, owner)`` / ``close(sid)`` — a session's caches and the client
+  key it belongs to (``close`` at any time: its queued jobs are answered ``unknown_session``
+  without being computed; a chunk of it that is running finishes first);
 * ``submit(job)`` — queue a step; jobs of one session run in the order submitted;
-* ``start()`` / ``stop()``, ``stats()``.
+* ``start()`` / ``stop()``, ``stats(owner=None)`` (everything, or one key's own counters).
 
-Scheduling (``remote/scheduler.py``): whenever the device is free, every session's next chunk —
-oldest first, one per session — joins one batch up to ``max_batch_rows``; steps longer than
-``prefill_chunk`` rows run as chunks at fixed offsets with other sessions' steps in between.
+Scheduling (``remote/scheduler.py``): whenever the device is free, sessions' next chunks — one per
+session, client keys taking turns by the rows each has had computed — join one batch up to
+``max_batch_rows``; steps longer than ``prefill_chunk`` rows run as chunks at fixed offsets with
+other sessions' steps in between.
 The math (``engine/ragged.py``): projections over all rows at once, attention per session.
 
 Failures stay with their session: a step that cannot be prepared (bad ``keep``, no memory to grow
@@ -38,16 +40,24 @@ from engine.config import ModelConfig
 from engine.kernels import batched as batched_kernel
 from engine.model import LayerStack
 from engine.ragged import Part, forward_parts, make_part, open_block
-from remote.scheduler import Ready, chunk_rows, plan_batch
+from remote.counters import WorkerCounters
+from remote.scheduler import Ready, Shares, chunk_rows, plan_batch
 from remote.stages import Stage
 
 log = logging.getLogger("veil.trunk.worker")
+
+# Prefill chunks (rows) when not given: a short step waits for about one chunk's compute. On a
+# GPU a 256-row chunk takes about as long as a few rows; on a CPU time grows with the rows (the
+# default model's trunk: 8 rows ~40 ms, 32 rows ~75 ms, 256 rows ~600 ms, the same per-row
+# cost from 32 rows up), so CPU chunks are small.
+GPU_CHUNK = 256
+CPU_CHUNK = 32
 
 
 @dataclass
 class WorkerOptions:
     max_batch_rows: int = 256  # rows per batch (a single chunk may be bigger when it must)
-    prefill_chunk: int = 256  # longest piece of one step in a batch
+    prefill_chunk: int | None = None  # longest piece of one step in a batch (None: by device)
     batching: bool = True  # False: one step at a time, no chunks (the pre-batching server)
     pipeline: bool | None = None  # batches in flight across stages (None: if devices differ)
     max_context: int | None = None  # refuse positions at or past this (the server checks first)
@@ -84,8 +94,11 @@ class Done:
 class SessionState:
     """One session's caches: a :class:`LayerStack` per stage its range reaches."""
 
-    def __init__(self, sid: str, start: int, end: int, stacks: list[LayerStack | None]) -> None:
+    def __init__(
+        self, sid: str, start: int, end: int, stacks: list[LayerStack | None], owner: str = ""
+    ) -> None:
         self.sid = sid
+        self.owner = owner  # the client key it belongs to (scheduling turns and counters)
         self.start = start
         self.end = end
         self.stacks = stacks
@@ -135,7 +148,8 @@ class TrunkWorker:
         options: WorkerOptions,
         on_done: Callable[[Done], None],
     ) -> None:
-        if options.max_batch_rows < 1 or options.prefill_chunk < 1:
+        chunk_given = options.prefill_chunk
+        if options.max_batch_rows < 1 or (chunk_given is not None and chunk_given < 1):
             raise ValueError("--max-batch-rows and --prefill-chunk must be at least 1")
         self.config = config
         self.stages = list(stages)
@@ -143,7 +157,9 @@ class TrunkWorker:
         self.opts = options
         self.on_done = on_done
         self.max_steps = 1_000_000 if options.batching else 1
-        self.chunk = options.prefill_chunk if options.batching else P.MAX_BLOCK
+        on_cpu = all(s.device.type == "cpu" for s in stages)
+        chunk = chunk_given or (CPU_CHUNK if on_cpu else GPU_CHUNK)
+        self.chunk = chunk if options.batching else P.MAX_BLOCK
         devices = {str(s.device) for s in self.stages}
         pipe = options.pipeline if options.pipeline is not None else len(devices) > 1
         self.pipelined = pipe and len(self.stages) > 1
@@ -167,10 +183,8 @@ class TrunkWorker:
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self._stage_q: list[collections.deque[_Batch]] = [collections.deque() for _ in self.stages]
-        self._stats_lock = threading.Lock()
-        self._hist: dict[int, int] = {}
-        self._counts = {"batches": 0, "shared_batches": 0, "steps": 0, "chunks": 0, "errors": 0}
-        self._busy_s = 0.0
+        self.counters = WorkerCounters()
+        self._shares = Shares()  # the client keys' turns (scheduler thread, under the lock)
 
     # ------------------------------------------------------------------ interface
 
@@ -185,8 +199,9 @@ class TrunkWorker:
                 total += (r[1] - r[0]) * c.n_kv_heads * c.head_dim * elt * 2 + 8
         return total
 
-    def open(self, sid: str, start: int, end: int, capacity: int) -> None:
-        """Allocate a session's caches (``capacity`` slots, growing by doubling)."""
+    def open(self, sid: str, start: int, end: int, capacity: int, owner: str = "") -> None:
+        """Allocate a session's caches (``capacity`` slots, growing by doubling) for the client
+        key ``owner``."""
         stacks: list[LayerStack | None] = []
         for st in self.stages:
             r = st.covers(start, end)
@@ -205,7 +220,8 @@ class TrunkWorker:
                 )
             )
         with self._cond:
-            self._sessions[sid] = SessionState(sid, start, end, stacks)
+            self._sessions[sid] = SessionState(sid, start, end, stacks, owner)
+        self.counters.opened(owner)
 
     def close(self, sid: str) -> None:
         """Forget a session; its queued jobs are answered ``unknown_session``."""
@@ -260,12 +276,11 @@ class TrunkWorker:
             th.join(timeout)
         self._threads = []
 
-    def stats(self) -> dict[str, Any]:
-        """What the worker does and has done (for ``veil-trunk loadtest`` and logs)."""
-        with self._stats_lock:
-            hist = {str(k): v for k, v in sorted(self._hist.items())}
-            counts = dict(self._counts)
-            busy = self._busy_s
+    def stats(self, owner: str | None = None) -> dict[str, Any]:
+        """What the worker does and has done (for ``veil-trunk loadtest``, ``status`` and logs):
+        its settings, and the counters of every key — or, with ``owner``, of that client key
+        alone: its steps, the batches its work ran in, and in ``batch_rows_hist`` how many of
+        *its own* rows each of those batches held, so nothing of other keys' work shows."""
         return {
             "batching": self.opts.batching,
             "max_batch_rows": self.opts.max_batch_rows,
@@ -274,9 +289,7 @@ class TrunkWorker:
             "kernel": batched_kernel.status() if self.invariant else "engine default",
             "stages": [f"{s.device}:{s.lo}-{s.hi}" for s in self.stages],
             "pipelined": self.pipelined,
-            "busy_s": round(busy, 3),
-            "batch_rows_hist": hist,
-            **counts,
+            **self.counters.snapshot(owner),
         }
 
     # ------------------------------------------------------------------ scheduler thread
@@ -331,14 +344,25 @@ class TrunkWorker:
     def _plan(self) -> _Batch | None:
         ready = []
         heads: dict[str, _Task] = {}
+        active, present = set(), set()
         for s in self._all():
+            present.add(s.owner)
+            if s.queue:
+                active.add(s.owner)
             if s.queue and not s.busy and not s.closed:
                 t = s.queue[0]
                 heads[s.sid] = t
-                ready.append(Ready(s.sid, chunk_rows(t.total, t.done_rows, self.chunk), t.since))
-        chosen = plan_batch(ready, self.opts.max_batch_rows, self.max_steps)
+                rows = chunk_rows(t.total, t.done_rows, self.chunk)
+                ready.append(Ready(s.sid, rows, t.since, s.owner, rows == t.total))
+        self._shares.track(active)
+        use = self._shares.usage
+        o = self.opts
+        chosen = plan_batch(
+            ready, o.max_batch_rows, self.max_steps, self.chunk, use, len(present) > 1
+        )
         if not chosen:
             return None
+        self._shares.book(chosen)
         tasks = []
         for r in chosen:
             t = heads[r.key]
@@ -456,12 +480,10 @@ class TrunkWorker:
         self._in_flight -= 1
         now = time.monotonic()
         dt = batch.t1 - batch.t0
-        with self._stats_lock:
-            self._counts["batches"] += 1
-            self._counts["chunks"] += len(batch.tasks)
-            self._counts["shared_batches"] += len(batch.tasks) > 1
-            self._hist[batch.rows] = self._hist.get(batch.rows, 0) + 1
-            self._busy_s += dt
+        rows_by_key: dict[str, list[int]] = {}
+        for t in batch.tasks:
+            rows_by_key.setdefault(t.state.owner, []).append(t.rows)
+        self.counters.batch(rows_by_key, dt)
         out = []
         for t in batch.tasks:
             s = t.state
@@ -488,14 +510,12 @@ class TrunkWorker:
                 hidden = t.outputs[0] if len(t.outputs) == 1 else torch.cat(t.outputs)
             total_ms = (time.perf_counter() - t.job.accepted) * 1000.0
             server_ms = t.compute_s * 1000.0
-            with self._stats_lock:
-                self._counts["steps"] += 1
+            self.counters.add(s.owner, "steps")
             out.append(Done(t.job, hidden, server_ms, max(total_ms - server_ms, 0.0), batch.rows))
         return out
 
     def _fail(self, t: _Task, error: tuple[str, str], rows: int = 0) -> Done:
-        with self._stats_lock:
-            self._counts["errors"] += 1
+        self.counters.add(t.state.owner, "errors")
         total_ms = (time.perf_counter() - t.job.accepted) * 1000.0
         server_ms = t.compute_s * 1000.0
         return Done(t.job, None, server_ms, max(total_ms - server_ms, 0.0), rows, error)

@@ -4,7 +4,7 @@ fixed keypairs: no child process to start, nothing random about the keys."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,14 +27,17 @@ STRANGER_KEYS = fixed_keypair(3)
 
 
 @contextmanager
-def trunk_in_thread(folder: Path, **opts: object) -> Iterator[TrunkServer]:
-    """Serve ``folder``'s trunk on a free loopback port until the block ends."""
+def trunk_in_thread(
+    folder: Path, allow: Sequence[str] = (CLIENT_KEYS[0],), **opts: object
+) -> Iterator[TrunkServer]:
+    """Serve ``folder``'s trunk on a free loopback port until the block ends, to the client
+    keys in ``allow``."""
     options = ServerOptions(model=str(folder), bind=f"tcp://127.0.0.1:{free_port()}", **opts)  # type: ignore[arg-type]
     srv = TrunkServer(
         options,
         secret_key=SERVER_KEYS[1].encode(),
         public_key=SERVER_KEYS[0].encode(),
-        allowed=lambda k: k == CLIENT_KEYS[0],
+        allowed=lambda k: k in allow,
     )
     t = threading.Thread(target=srv.serve, name="test-trunk", daemon=True)
     t.start()

@@ -316,6 +316,12 @@ def test_sessions_spread_over_replicas_and_match_one_server(
     # both replicas computed steps; the merged counters are their sum
     st = gateway.public_stats()
     assert all(s > 0 for s in st["replica_steps"]) and st["steps"] == sum(st["replica_steps"])
+    # a client key reads only its own counters, merged from the replicas (issue 29)
+    mine, other = gateway.stats_for(CLIENT_KEYS[0]), gateway.stats_for(OTHER_KEYS[0])
+    assert mine["scope"] == "own" and mine["steps"] > 0
+    assert mine["steps"] == sum(mine["replica_steps"]) and sum(mine["replica_opened"]) >= 4
+    assert other["steps"] == 0 and other["replica_steps"] == [0, 0] and other["sessions"] == 0
+    assert other["batch_rows_hist"] == {} and other["replica_state"] == ["up", "up"]
     # `veil-trunk status` shows the replicas through the same encrypted front
     from remote.cli import main
 

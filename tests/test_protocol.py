@@ -142,7 +142,7 @@ def _step_frames(**over: object) -> list[bytes]:
         ({"shape": [3, 9]}, P.E_SHAPE),
         ({"shape": [4, 8]}, P.E_SHAPE),
         ({"shape": [3]}, P.E_BAD_MESSAGE),
-        ({"positions": [1, 2]}, P.E_BAD_MESSAGE),  # parents length no longer matches
+        ({"positions": [1, 2]}, P.E_SHAPE),  # 3 tensor rows (checked before the parents)
         ({"positions": [5, 6, -1]}, P.E_BAD_MESSAGE),
         ({"parents": [-1, 1, 0]}, P.E_BAD_MESSAGE),  # a node is its own parent
         ({"parents": [-1, 0, 5]}, P.E_BAD_MESSAGE),  # parent after its node

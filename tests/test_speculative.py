@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -451,7 +452,7 @@ def test_mode_chooser_falls_back_to_one_token_steps_when_drafting_does_not_pay()
     later = kinds[mc.WARM + mc.SEQ_PROBE :]
     looks = [i for i, one in enumerate(later) if not one]
     assert 0 < len(looks) <= 7  # drafted rounds only as looks, ever rarer
-    gaps = [b - a for a, b in zip(looks, looks[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(looks)]
     assert gaps == sorted(gaps) and gaps[-1] > mc.MAX_PROBE // 2
     # a slower machine pays the looks at most once per MAX_PROBE rounds
     assert later[-mc.MAX_PROBE :].count(False) <= 1

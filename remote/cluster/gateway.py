@@ -134,11 +134,13 @@ class GatewayServer(TrunkServer):
 
     # ------------------------------------------------------------------ placement
 
-    def _loads(self) -> list[Load]:
+    def _loads(self, owner: str | None = None) -> list[Load]:
+        """Each replica's open sessions and booked cache (of one client key with ``owner``)."""
         ready = self.router.ready()
         loads = [Load(i, up, 0, 0) for i, up in enumerate(ready)]
         with self.lock:
             sessions = [s for s in self.sessions.values() if not s.closed]
+        sessions = [s for s in sessions if owner is None or s.client == owner]
         for s in sessions:
             r = self.router.replica_of(s.sid)
             if r is not None:
@@ -172,9 +174,9 @@ class GatewayServer(TrunkServer):
 
     # ------------------------------------------------------------------ statistics
 
-    def public_stats(self) -> dict[str, Any]:
-        out = super().public_stats()
-        mb = [round(x.cache_bytes / (1 << 20), 2) for x in self._loads()]
+    def public_stats(self, owner: str | None = None) -> dict[str, Any]:
+        out = super().public_stats(owner)
+        mb = [round(x.cache_bytes / (1 << 20), 2) for x in self._loads(owner)]
         out["replica_cache_mb"] = mb
         out["max_sessions_per_replica"] = self.opts.max_sessions
         out["max_cache_mb_per_replica"] = round(self.cache_cap / (1 << 20), 1)

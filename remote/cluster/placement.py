@@ -63,7 +63,7 @@ def slot_bytes_for(
     return total
 
 
-COUNTERS = ("batches", "shared_batches", "steps", "chunks", "errors")
+COUNTERS = ("batches", "shared_batches", "steps", "chunks", "errors", "opened")
 SETTINGS = (
     "batching",
     "max_batch_rows",

@@ -41,7 +41,7 @@ class ReplicaSpec:
     dtype: str = "float32"
     max_context: int | None = None
     max_batch_rows: int = 256
-    prefill_chunk: int = 256
+    prefill_chunk: int | None = None  # None: by device (remote/worker.py)
     batching: bool = True
     threads: int = 0  # torch threads (0: Ray's OMP_NUM_THREADS, i.e. the replica's CPUs)
     kernel_threads: int = 0
@@ -142,7 +142,12 @@ class ReplicaCore:
         }
 
     def stats(self) -> dict[str, Any]:
-        return {"incarnation": self.incarnation, "open": len(self.open_sids), **self.worker.stats()}
+        return {
+            "incarnation": self.incarnation,
+            "open": len(self.open_sids),
+            **self.worker.stats(),
+            "owners": self.worker.counters.keys(),  # each client key's own counters
+        }
 
     def stop(self) -> None:
         self._stop.set()
@@ -203,7 +208,8 @@ class ReplicaCore:
             jobs.clear()
         if msg.kind == wire.OPEN:
             try:
-                self.worker.open(sid, int(h["start"]), int(h["end"]), int(h["cap"]))
+                owner = str(h.get("own", ""))
+                self.worker.open(sid, int(h["start"]), int(h["end"]), int(h["cap"]), owner)
                 self.open_sids.add(sid)
             except Exception:  # e.g. out of device memory: its steps answer unknown_session
                 log.exception("session %s could not open", sid[:8])

@@ -38,7 +38,13 @@ import zmq
 from engine import protocol as P
 from engine.config import ModelConfig
 from remote.cluster import wire
-from remote.cluster.placement import SETTINGS, add_counts, mean_batch_rows, slot_bytes_for
+from remote.cluster.placement import (
+    COUNTERS,
+    SETTINGS,
+    add_counts,
+    mean_batch_rows,
+    slot_bytes_for,
+)
 from remote.cluster.replica import ReplicaSpec
 from remote.worker import Done, Job
 
@@ -69,6 +75,7 @@ class _Replica:
         self.losses = 0  # times it died under the gateway
         self.last_stats: dict[str, Any] = {}
         self.retired: dict[str, Any] = {}  # counters of its earlier incarnations
+        self.retired_owners: dict[str, dict[str, Any]] = {}  # ... per client key
         self.probing = False
         self.probe_at = 0.0
         self.down_since = time.monotonic()
@@ -102,6 +109,7 @@ class ReplicaRouter:
         self._lock = threading.Lock()
         self._deliver_lock = threading.Lock()
         self._bindings: dict[str, tuple[int, str]] = {}  # sid -> (replica, incarnation)
+        self._owners: dict[str, str] = {}  # sid -> the client key it belongs to
         self._next: int | None = None
         self._events: collections.deque[tuple[str, _Replica, Any, Any]] = collections.deque()
         self._wake = threading.Condition()
@@ -236,24 +244,26 @@ class ReplicaRouter:
         with self._lock:
             return [r.state == UP for r in self.replicas]
 
-    def open(self, sid: str, start: int, end: int, capacity: int) -> None:
+    def open(self, sid: str, start: int, end: int, capacity: int, owner: str = "") -> None:
         index, self._next = self._next, None
         if index is None:
             raise RuntimeError("open() without bind_next()")
         r = self.replicas[index]
         with self._lock:
             self._bindings[sid] = (index, r.incarnation)
+            self._owners[sid] = owner
             r.sids.add(sid)
             r.opened += 1
             up = r.state == UP
         # A replica that died since the choice gets nothing: the first step answers
         # unknown_session and the client replays elsewhere.
         if up:
-            self._send(r, wire.open_msg(sid, start, end, capacity))
+            self._send(r, wire.open_msg(sid, start, end, capacity, owner))
 
     def close(self, sid: str) -> None:
         with self._lock:
             b = self._bindings.pop(sid, None)
+            self._owners.pop(sid, None)
             if b is None:
                 return
             r = self.replicas[b[0]]
@@ -330,9 +340,10 @@ class ReplicaRouter:
         if not self.ctx.closed:
             self.ctx.destroy(0)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, owner: str | None = None) -> dict[str, Any]:
         """The replicas' workers merged (settings of the first, counters summed over every
-        replica and incarnation), plus one list entry per replica."""
+        replica and incarnation), plus one list entry per replica; with ``owner``, the counters
+        and sessions are that client key's own (the replicas' states are everyone's)."""
         self._refresh_stats()
         out: dict[str, Any] = {}
         with self._lock:
@@ -340,14 +351,23 @@ class ReplicaRouter:
             for r in reps:
                 if r.last_stats and not out:
                     out.update({k: r.last_stats[k] for k in SETTINGS if k in r.last_stats})
-            merged: dict[str, Any] = {}
+            merged: dict[str, Any] = {} if owner is None else dict.fromkeys(COUNTERS, 0)
             per: list[dict[str, Any]] = []
             for r in reps:
                 mine: dict[str, Any] = {}
-                add_counts(mine, r.retired)
-                add_counts(mine, r.last_stats)
+                if owner is None:
+                    add_counts(mine, r.retired)
+                    add_counts(mine, r.last_stats)
+                else:
+                    add_counts(mine, r.retired_owners.get(owner, {}))
+                    add_counts(mine, r.last_stats.get("owners", {}).get(owner, {}))
                 add_counts(merged, mine)
                 per.append(mine)
+            sids = [r.sids for r in reps]
+            opened = [r.opened for r in reps]
+            if owner is not None:
+                sids = [{s for s in x if self._owners.get(s) == owner} for x in sids]
+                opened = [int(p.get("opened", 0)) for p in per]
             out.update(merged)
             out.update(
                 {
@@ -355,8 +375,8 @@ class ReplicaRouter:
                     "replicas_up": sum(r.state == UP for r in reps),
                     "replica_state": [r.state for r in reps],
                     "replica_node": [str(r.info.get("node", "")) for r in reps],
-                    "replica_sessions": [len(r.sids) for r in reps],
-                    "replica_opened": [r.opened for r in reps],
+                    "replica_sessions": [len(x) for x in sids],
+                    "replica_opened": opened,
                     "replica_lost": [r.losses for r in reps],
                     "replica_steps": [int(p.get("steps", 0)) for p in per],
                     "replica_batches": [int(p.get("batches", 0)) for p in per],
@@ -402,6 +422,7 @@ class ReplicaRouter:
         """Sessions whose caches are gone: unbind, tell the gateway, answer their steps."""
         with self._lock:
             for sid in sids:
+                self._owners.pop(sid, None)
                 b = self._bindings.pop(sid, None)
                 if b is not None:
                     self.replicas[b[0]].sids.discard(sid)
@@ -502,6 +523,8 @@ class ReplicaRouter:
             jobs = list(r.pending.values())
             r.pending = {}
             add_counts(r.retired, r.last_stats)
+            for owner, counts in r.last_stats.get("owners", {}).items():
+                add_counts(r.retired_owners.setdefault(owner, {}), counts)
             r.last_stats = {}
         with r.out_lock:
             if r.out is not None:

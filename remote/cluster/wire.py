@@ -63,8 +63,10 @@ def _unpack_tensor(frame: Any, dtype: str, shape: Any) -> torch.Tensor:
     return torch.frombuffer(buf.cast("B"), dtype=torch.uint8).view(tdt).view(b, h)  # [B, H]
 
 
-def open_msg(sid: str, start: int, end: int, capacity: int) -> Frames:
-    return _pack(OPEN, {"sid": sid, "start": start, "end": end, "cap": capacity})
+def open_msg(sid: str, start: int, end: int, capacity: int, owner: str = "") -> Frames:
+    """Open a session for the client key ``owner`` (the replica's turns and counters are per
+    key, as a single server's are)."""
+    return _pack(OPEN, {"sid": sid, "start": start, "end": end, "cap": capacity, "own": owner})
 
 
 def close_msg(sid: str) -> Frames:
