@@ -38,6 +38,11 @@ NEW_CHAT_TITLE = "New chat"
 # at this creativity and word-choice range instead, since greedy would repeat the reply.
 REGENERATE_TEMPERATURE = 0.7
 REGENERATE_TOP_P = 0.9
+REGENERATE_NOTE = (
+    "At 0 the same message always gets the same reply. ↻ Regenerate always writes a different "
+    f"one: it picks words at random (creativity {REGENERATE_TEMPERATURE} when this is 0), like "
+    "regenerating in LM Studio or Jan."
+)
 
 
 def regenerate_params(base: SamplingParams, seed: int) -> SamplingParams:

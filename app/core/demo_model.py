@@ -11,8 +11,8 @@ from __future__ import annotations
 from engine.loading import DEFAULT_MODEL
 
 DEMO_LINE = (
-    "Demo model: a small model for trying Veil, not for real work — its answers are often "
-    "wrong. For your organisation's model, ask your IT department for an invite code."
+    "Demo model: for trying Veil only, not for real work — its answers are often wrong. "
+    "For your organisation's model, ask IT for an invite code."
 )
 DEMO_TOOLTIP = (
     f"Veil's built-in model ({DEFAULT_MODEL}) is small enough to run anywhere, so it makes up "

@@ -21,6 +21,8 @@ LARGE_SHARE = 0.25  # a message is "long" from this share of what the model read
 CUT_MARGIN = 8  # tokens kept spare at a cut: the template may join the last word differently
 READ_CHUNK = 256  # prompt rows per block while a prompt is read (the server's 256-row pieces)
 QUOTE_WORDS = 6  # words quoted on either side of a cut
+COLLAPSE_CHARS, COLLAPSE_LINES = 1500, 20  # a message longer than this is shown collapsed
+PREVIEW_CHARS, PREVIEW_LINES = 600, 8  # how much of it shows then
 
 
 def prompt_room(context: int, max_new_tokens: int, started: int = 0) -> int:
@@ -226,3 +228,19 @@ def reading_text(done: int, total: int, seconds_left: float | None) -> str:
     pct = int(100 * done / total) if total else 0
     tail = f" ({human_duration(seconds_left)} left)" if seconds_left else ""
     return f"Reading your message… {pct}%{tail}"
+
+
+def preview(text: str) -> str | None:
+    """The start of a long message, shown until "Show all" (None: short enough to show)."""
+    lines = text.split("\n")
+    if len(text) <= COLLAPSE_CHARS and len(lines) <= COLLAPSE_LINES:
+        return None
+    head = "\n".join(lines[:PREVIEW_LINES])
+    if len(head) > PREVIEW_CHARS:
+        space = head.rfind(" ", 0, PREVIEW_CHARS)
+        head = head[: space if space > PREVIEW_CHARS // 2 else PREVIEW_CHARS]
+    return head.rstrip() + " …"
+
+
+def show_all_text(text: str) -> str:
+    return f"Show all ({_plural(len(text.split()), 'word')})"

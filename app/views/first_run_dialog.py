@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.core.invite import invite_problem
+from app.views.demo_notice import DemoNotice
 from app.views.theme import app_icon, set_icon
 
 DEMO = "demo"
@@ -24,7 +25,9 @@ SERVER = "server"
 class FirstRunDialog(QDialog):
     """``choice`` is DEMO or SERVER after exec() returns Accepted; ``invite`` holds the code."""
 
-    def __init__(self, parent: QWidget | None = None) -> None:
+    def __init__(self, parent: QWidget | None = None, demo_model: bool = True) -> None:
+        """``demo_model``: "Try it on this computer" uses the built-in demonstration model
+        (``app.core.demo_model``), and the card says what it is good for."""
         super().__init__(parent)
         self.setWindowTitle("Welcome to Veil")
         self.setModal(True)
@@ -65,6 +68,9 @@ class FirstRunDialog(QDialog):
         self.demo_button.setObjectName("PrimaryButton")
         self.demo_button.setAccessibleName("Try it on this computer")
         self.demo_button.clicked.connect(self._demo)
+        self.demo_notice = DemoNotice()
+        self.demo_notice.set_demo(demo_model)
+        demo_lay.addWidget(self.demo_notice)
         demo_lay.addStretch(1)
         demo_lay.addWidget(self.demo_button)
         cards.addWidget(demo, 1)
