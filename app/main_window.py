@@ -31,7 +31,7 @@ from PySide6.QtWidgets import (
 from app.core import audit_info, problems
 from app.core.controller import AppController
 from app.core.demo_model import is_demo_model
-from app.core.engine_host import OFFLINE, RESTARTED, RESTARTING
+from app.core.engine_host import OFFLINE
 from app.core.long_message import reading_text
 from app.core.privacy import PrivacyView, welcome_text
 from app.core.settings import Settings
@@ -40,6 +40,7 @@ from app.views.audit_dialog import AuditDialog
 from app.views.chat_view import ChatView
 from app.views.drafting_pane import DraftingPane
 from app.views.first_run_dialog import DEMO, FirstRunDialog
+from app.views.server_notice import show_server_notice
 from app.views.settings_dialog import SettingsDialog
 from app.views.side_panel import PanelLayout, PanelRail, SidePanel
 from app.views.sidebar import Sidebar
@@ -134,7 +135,7 @@ class MainWindow(QMainWindow):
         self._reconnect.timeout.connect(self._maybe_reconnect)
         self._reconnect.start()
         self._watch_server = QTimer(self, interval=WATCH_SERVER_MS)
-        self._watch_server.timeout.connect(self._server_notice)
+        self._watch_server.timeout.connect(lambda: show_server_notice(self))
         self._watch_server.start()
         self.restore_ui()
         self._privacy_changed(self.app.privacy_view(self.app.settings.local_layers))
@@ -238,26 +239,6 @@ class MainWindow(QMainWindow):
         """After a failed reply, try the server again at once (the built-in one restarts)."""
         if self.app.host.state == OFFLINE:
             later(300, self, self._maybe_reconnect)
-
-    def _server_notice(self) -> None:
-        """Tell the user while the built-in server is being restarted, and when it is back."""
-        notice = self.app.host.server_notice()
-        banner = self.chat_view.error
-        if notice == RESTARTING and (banner.isHidden() or banner.cause == "restart"):
-            banner.show_notice(
-                "The built-in server on this computer stopped",
-                "Veil is restarting it; a reply being written continues when it is back.",
-                cause="restart",
-            )
-            self._idle_status()
-            self.gauges.refresh()
-        elif notice == RESTARTED:
-            self.app.host.clear_server_notice()
-            banner.clear("restart")
-            self.gauges.refresh()
-            self.status.setText(
-                "Veil restarted the built-in server.  ·  " + self.app.connection_text()
-            )
 
     def _privacy_changed(self, view: PrivacyView) -> None:
         self.chat_view.set_welcome(welcome_text(view))

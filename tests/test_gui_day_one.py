@@ -23,6 +23,7 @@ from app.views.drafting_pane import LOCKED_NOTE, READ_ONLY_NOTE
 from engine.loading import DEFAULT_MODEL
 from tests.gui_support import local_window, theme_reset
 from tests.test_gui_app import WAIT_MS, send, tiny, wait_idle  # noqa: F401
+from tests.test_gui_first_day import _clipped
 
 pytestmark = pytest.mark.gui
 
@@ -334,8 +335,15 @@ def test_the_demo_model_says_what_it_is(qtbot: Any, tiny: Path, tmp_path: Path):
         shown = [n for n in notices if n.isVisible()]
         assert len(shown) == 1 and shown[0].text.text() == DEMO_LINE
         assert "not for real work" in DEMO_LINE and "invite code" in DEMO_LINE
-    first = FirstRunDialog(w, demo_model=True)
-    qtbot.addWidget(first)
-    assert not first.demo_notice.isHidden()
+    for pt in (10, 13):  # the first-start card shows it whole, with every line of its text
+        s = w.app.settings
+        w.apply_settings(type(s)(**{**vars(s), "font_size": pt}))
+        first = FirstRunDialog(w, demo_model=True)
+        qtbot.addWidget(first)
+        first.show()
+        settle()
+        assert not first.demo_notice.isHidden() and _clipped(first) == [], pt
+        first.close()
     assert FirstRunDialog(w, demo_model=False).demo_notice.isHidden()
     w.close()
+    theme_reset()

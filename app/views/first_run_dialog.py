@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QShowEvent
 from PySide6.QtWidgets import (
     QDialog,
     QFrame,
@@ -33,7 +34,7 @@ class FirstRunDialog(QDialog):
         self.setModal(True)
         self.choice = ""
         self.invite = ""
-        self.resize(760, 460)
+        self.resize(760, 520)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(32, 28, 32, 24)
         lay.setSpacing(14)
@@ -60,8 +61,8 @@ class FirstRunDialog(QDialog):
         demo, demo_lay = self._card(
             "computer",
             "Try it on this computer",
-            "Runs a small demo server on this computer. Nothing leaves it and no account "
-            "is needed. Good for trying Veil out.",
+            "Runs a small demo server and model on this computer. Nothing leaves it and no "
+            "account is needed.",
         )
         self.demo_button = QPushButton("Try it on this computer")
         set_icon(self.demo_button, "computer", "accent_text")
@@ -107,6 +108,16 @@ class FirstRunDialog(QDialog):
         foot.setAlignment(Qt.AlignmentFlag.AlignCenter)
         lay.addWidget(foot)
         self.demo_button.setFocus()
+
+    def showEvent(self, e: QShowEvent) -> None:
+        """Tall enough for every wrapped line at the text size in use (Qt does not grow a
+        window for its labels' wrapped height by itself)."""
+        lay = self.layout()
+        if lay is not None and lay.hasHeightForWidth():
+            need = lay.totalHeightForWidth(self.width())
+            if need > self.height():
+                self.resize(self.width(), need)
+        super().showEvent(e)
 
     def _card(self, icon_name: str, title: str, text: str) -> tuple[QFrame, QVBoxLayout]:
         card = QFrame()
