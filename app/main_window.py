@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, QTimer
-from PySide6.QtGui import QCloseEvent, QKeySequence, QShortcut
+from PySide6.QtGui import QCloseEvent, QKeySequence, QResizeEvent, QShortcut
 from PySide6.QtWidgets import (
     QApplication,
     QDialog,
@@ -24,15 +24,15 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QMessageBox,
     QProgressBar,
-    QScrollArea,
     QStackedWidget,
-    QVBoxLayout,
     QWidget,
 )
 
 from app.core import audit_info, problems
 from app.core.controller import AppController
-from app.core.engine_host import OFFLINE, RESTARTED, RESTARTING
+from app.core.demo_model import is_demo_model
+from app.core.engine_host import OFFLINE
+from app.core.long_message import reading_text
 from app.core.privacy import PrivacyView, welcome_text
 from app.core.settings import Settings
 from app.core.tasks import Task, TaskContext
@@ -40,10 +40,10 @@ from app.views.audit_dialog import AuditDialog
 from app.views.chat_view import ChatView
 from app.views.drafting_pane import DraftingPane
 from app.views.first_run_dialog import DEMO, FirstRunDialog
-from app.views.gauges_panel import GaugesPanel
 from app.views.matters_pane import MattersPane
-from app.views.privacy_panel import PrivacyPanel
+from app.views.server_notice import show_server_notice
 from app.views.settings_dialog import SettingsDialog
+from app.views.side_panel import PanelLayout, PanelRail, SidePanel
 from app.views.sidebar import Sidebar
 from app.views.theme import Theme, app_icon, later
 from engine.errors import Cancelled, VeilError
@@ -51,8 +51,6 @@ from engine.errors import Cancelled, VeilError
 log = logging.getLogger("veil.app")
 RECONNECT_EVERY_MS = 5000
 WATCH_SERVER_MS = 1000
-SIDE_PANEL_PX = 330  # at 10 pt; wider (up to SIDE_PANEL_MAX_PX) for larger text, and it wraps
-SIDE_PANEL_MAX_PX = 430
 
 
 def run_modal(dlg: QDialog) -> int:
@@ -66,10 +64,6 @@ def run_modal(dlg: QDialog) -> int:
         return int(dlg.exec())
     finally:
         dlg.deleteLater()
-
-
-def side_panel_width(font_pt: int) -> int:
-    return max(SIDE_PANEL_PX, min(SIDE_PANEL_MAX_PX, SIDE_PANEL_PX + (font_pt - 10) * 10))
 
 
 class MainWindow(QMainWindow):
@@ -94,26 +88,13 @@ class MainWindow(QMainWindow):
         self.stack.addWidget(self.drafting_pane)
         self.stack.addWidget(self.matters_pane)
         row.addWidget(self.stack, 1)
-
-        right = QWidget()
-        right.setObjectName("RightPanel")
-        right.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
-        rl = QVBoxLayout(right)
-        rl.setContentsMargins(14, 16, 14, 16)
-        rl.setSpacing(14)
-        self.privacy = PrivacyPanel(app)
-        self.gauges = GaugesPanel(app)
-        rl.addWidget(self.privacy)
-        rl.addWidget(self.gauges)
-        rl.addStretch(1)
-        scroll = QScrollArea()
-        scroll.setWidget(right)
-        scroll.setWidgetResizable(True)
-        scroll.setFixedWidth(side_panel_width(app.settings.font_size))
-        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        scroll.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
-        self.side_scroll, self.side_panel = scroll, right
-        row.addWidget(scroll)
+        self.side_scroll = SidePanel(app)
+        self.side_panel = self.side_scroll.panel
+        self.privacy, self.gauges = self.side_scroll.privacy, self.side_scroll.gauges
+        row.addWidget(self.side_scroll)
+        self.rail = PanelRail()
+        row.addWidget(self.rail)
+        self.panels = PanelLayout(self.sidebar, self.stack, self.side_scroll, self.rail)
         self.setCentralWidget(central)
 
         self.status = QLabel("Starting…")
@@ -127,6 +108,7 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.progress_bar)
 
         self.sidebar.pane_changed.connect(self.show_pane)
+        self.sidebar.new_requested.connect(self._new)
         self.sidebar.settings_requested.connect(self.open_settings)
         self.sidebar.export_chat.connect(self._export_chat)
         self.sidebar.export_document.connect(self._export_document)
@@ -138,10 +120,12 @@ class MainWindow(QMainWindow):
         app.chat.failed.connect(lambda _e, _t: self._soon_reconnect())
         self._audit_task: Task | None = None
         app.chat.progress.connect(self.show_progress)
+        app.chat.reading.connect(self._show_reading)
         app.drafting.progress.connect(self.show_progress)
         app.chat.busy_changed.connect(lambda _: self._idle_status())
         app.drafting.busy_changed.connect(lambda _: self._idle_status())
         app.config_loaded.connect(self._idle_status)
+        app.config_loaded.connect(self._sync_demo)
         app.load_failed.connect(self._load_failed)
         app.gauges_changed.connect(lambda _: self._idle_status())
         app.store.failed.connect(self.show_error)  # a full or read-only disk: one line
@@ -155,10 +139,11 @@ class MainWindow(QMainWindow):
         self._reconnect.timeout.connect(self._maybe_reconnect)
         self._reconnect.start()
         self._watch_server = QTimer(self, interval=WATCH_SERVER_MS)
-        self._watch_server.timeout.connect(self._server_notice)
+        self._watch_server.timeout.connect(lambda: show_server_notice(self))
         self._watch_server.start()
         self.restore_ui()
         self._privacy_changed(self.app.privacy_view(self.app.settings.local_layers))
+        self._sync_demo()
 
     # --- panes and state ----------------------------------------------------------------------
 
@@ -199,9 +184,27 @@ class MainWindow(QMainWindow):
             )
 
     def _new(self) -> None:
+        """+ New chat / New document and Ctrl+N: focus goes where the user types next."""
         self.sidebar.new_item()
         if self.sidebar.pane == "chat":
             self.chat_view.composer.setFocus()
+        else:
+            self.drafting_pane.title.setFocus()
+
+    def resizeEvent(self, e: QResizeEvent) -> None:
+        super().resizeEvent(e)
+        self.panels.apply()  # the side panel folds away where the conversation is cramped
+
+    def _sync_demo(self) -> None:
+        """The demo model's line, wherever it writes, while it is the model in use."""
+        demo = is_demo_model(self.app.settings.model, self.app.model_name())
+        self.chat_view.demo.set_demo(demo)
+        self.drafting_pane.demo.set_demo(demo)
+
+    def _show_reading(self, done: int, total: int, seconds_left: float | None) -> None:
+        self.status.setText(reading_text(done, total, seconds_left))
+        self.progress_bar.show()
+        self.progress_bar.setValue(int(100 * done / max(total, 1)))
 
     def _search(self) -> None:
         self.show_pane("chat")
@@ -272,28 +275,9 @@ class MainWindow(QMainWindow):
         if self.app.host.state == OFFLINE:
             later(300, self, self._maybe_reconnect)
 
-    def _server_notice(self) -> None:
-        """Tell the user while the built-in server is being restarted, and when it is back."""
-        notice = self.app.host.server_notice()
-        banner = self.chat_view.error
-        if notice == RESTARTING and (banner.isHidden() or banner.cause == "restart"):
-            banner.show_notice(
-                "The built-in server on this computer stopped",
-                "Veil is restarting it; a reply being written continues when it is back.",
-                cause="restart",
-            )
-            self._idle_status()
-            self.gauges.refresh()
-        elif notice == RESTARTED:
-            self.app.host.clear_server_notice()
-            banner.clear("restart")
-            self.gauges.refresh()
-            self.status.setText(
-                "Veil restarted the built-in server.  ·  " + self.app.connection_text()
-            )
-
     def _privacy_changed(self, view: PrivacyView) -> None:
         self.chat_view.set_welcome(welcome_text(view))
+        self.rail.set_privacy(view)
 
     # --- dialogs ------------------------------------------------------------------------------
 
@@ -312,9 +296,11 @@ class MainWindow(QMainWindow):
         app = QApplication.instance()
         if isinstance(app, QApplication):
             Theme.apply(app, s.theme, s.font_size)
-        self.side_scroll.setFixedWidth(side_panel_width(s.font_size))
+        self.side_scroll.set_font_size(s.font_size)
         self.privacy.refresh()
         self.gauges.refresh()
+        self._sync_demo()
+        later(0, self, self.panels.apply)  # once the new text size is laid out
 
     def open_audit_details(self) -> None:
         k = self.app.settings.local_layers
@@ -563,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _startup_failed(exc)
     _show_veil_errors_in(window)
     if not app.settings.first_run_done:
-        dlg = FirstRunDialog(window)
+        dlg = FirstRunDialog(window, is_demo_model(app.settings.model))
         if not run_modal(dlg):
             window.close()
             _dispose(window)

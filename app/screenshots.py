@@ -1,4 +1,5 @@
-"""Capture the app's panes and dialogs at 1280×800, light and dark, for docs/screenshots.
+"""Capture the app's panes and dialogs at 1280×800, light and dark, for docs/screenshots (and
+the conversation at smaller window sizes and larger text).
 
     QT_QPA_PLATFORM=offscreen python -m app.screenshots docs/screenshots \
         [--model SPEC] [--audit-from results.json]
@@ -108,6 +109,9 @@ def capture(theme: str, data: Path, out: Path, args: argparse.Namespace) -> None
         chat.open(first)
         reply("Thank you! Make it one sentence.")
     save(w, out / f"chat-{theme}.png")
+    if theme == "light":
+        window_sizes(w, app, out)
+        long_message(w, app, out)
 
     # drafting with a finished suggestion
     w.show_pane("drafting")
@@ -233,6 +237,50 @@ def documents(w: Any, app: Any, data: Path, out: Path, theme: str) -> None:
         sd.api_tab.enabled.setChecked(True)
         save(w, out / f"settings-api-{theme}.png", sd)
     w.show_pane("chat")
+
+
+WINDOW_SIZES = ((1000, 640), (1150, 720), (1280, 800))
+TRANSCRIPT = (
+    "Q. Please state your name for the record. A. Dana Whitfield. Q. Where were you employed "
+    "in March? A. At the Harbor Street office, as the office manager. Q. Did you review the "
+    "supplier contract before it was signed? A. I read the first draft and sent my notes to "
+    "the partners. Q. Who signed it? A. Mr. Okafor signed it on the fourteenth. "
+)
+
+
+def long_message(w: Any, app: Any, out: Path) -> None:
+    """A pasted transcript: its size under the message box, then how far the model has read
+    it, then the message shown collapsed with "Show all"."""
+    view, chat = w.chat_view, app.chat
+    chat.new_conversation()
+    text = "Summarize this deposition in three sentences.\n\n" + TRANSCRIPT * 30
+    view.composer.setPlainText(text)
+    view.update_length_note()
+    save(w, out / "chat-long-message-light.png")
+    seen: list[int] = []
+    chat.reading.connect(lambda done, total, left: seen.append(done))
+    view.send_or_stop()
+    wait(lambda: len(seen) >= 3)
+    save(w, out / "chat-reading-light.png")
+    wait(lambda: not chat.busy)
+    save(w, out / "chat-show-all-light.png")
+
+
+def window_sizes(w: Any, app: Any, out: Path) -> None:
+    """The conversation at common laptop window sizes (1000x640 is the smallest the window
+    gets) at 10 and 13 pt: the side panel folds away where the conversation would be cramped."""
+    for pt in (10, 13):
+        s = copy.copy(app.settings)
+        s.font_size = pt
+        w.apply_settings(s)
+        for width, height in WINDOW_SIZES:
+            w.resize(width, height)
+            settle(400)
+            save(w, out / f"chat-{width}x{height}-{pt}pt.png")
+    s = copy.copy(app.settings)
+    s.font_size = 10
+    w.apply_settings(s)
+    w.resize(1280, 800)
 
 
 def side_panels(w: Any, app: Any, out: Path, theme: str, every: Path | None) -> None:

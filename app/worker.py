@@ -30,7 +30,12 @@ class _Thread(QThread):
         def report(values: dict[str, Any]) -> None:
             o._report.emit(task, dict(values))
 
-        return TaskContext(task.cancel, progress=progress, text=text, report=report)
+        def reading(done: int, total: int, seconds_left: float | None) -> None:
+            o._reading.emit(task, int(done), int(total), seconds_left)
+
+        return TaskContext(
+            task.cancel, progress=progress, text=text, report=report, reading=reading
+        )
 
     def run(self) -> None:
         o = self.owner
@@ -53,6 +58,7 @@ class QtExecutor(QObject):
     _text = Signal(object, str)
     _progress = Signal(object, str, float)
     _report = Signal(object, dict)
+    _reading = Signal(object, int, int, object)
     _done = Signal(object, object)
     _failed = Signal(object, object)
     idle = Signal()  # no task is queued or running
@@ -66,6 +72,7 @@ class QtExecutor(QObject):
         self._text.connect(lambda t, d: t.on_text(d))
         self._progress.connect(lambda t, s, f: t.on_progress(s, f))
         self._report.connect(lambda t, v: t.on_report(v))
+        self._reading.connect(lambda t, d, n, s: t.on_reading(d, n, s))
         self._done.connect(self._on_done)
         self._failed.connect(self._on_failed)
         # The thread starts with the first task, so an app that fails while starting up (say,

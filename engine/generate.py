@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,6 +22,8 @@ from engine.sampling import SamplingParams, pick
 from engine.split import SplitRunner
 
 TextCallback = Callable[[str], None]
+PrefillCallback = Callable[[int, int], None]  # (prompt rows read so far, rows in the prompt)
+T = TypeVar("T")
 
 
 class CancelToken:
@@ -155,6 +157,55 @@ class Output:
                 self.on_text(out)
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """How a decoder reads the prompt before the first new token.
+
+    ``chunk=None`` reads it as one block. With ``chunk`` the prompt goes through the whole
+    split (head, trunk, tail) as consecutive chain blocks of at most ``chunk`` rows; each
+    attends to everything cached before it, which for a chain is exactly its prefix, so it is
+    the same computation (as the transport's chunked steps, ``engine.transport.policy``; the
+    float sums may round differently in the last bits). Between blocks ``on_progress(done,
+    total)`` is called and the cancel token is checked, so a long prompt shows how far it is
+    and can be stopped."""
+
+    chunk: int | None = None
+    on_progress: PrefillCallback | None = None
+
+    def pieces(self, n: int) -> list[range]:
+        """Row ranges of a prompt of ``n`` tokens, one per block."""
+        if self.chunk is not None and self.chunk < 1:
+            raise GenerationError("the prefill chunk must be at least 1 row")
+        step = n if self.chunk is None else self.chunk
+        return [range(lo, min(lo + step, n)) for lo in range(0, n, max(step, 1))]
+
+
+def read_prompt(
+    run: Callable[[list[int], range], T],
+    prompt_ids: Sequence[int],
+    prefill: Prefill | None,
+    cancel: CancelToken | None,
+) -> list[T] | None:
+    """``run(ids, positions)`` over the prompt's blocks (see :class:`Prefill`); the outputs in
+    order, or None when cancelled between two blocks."""
+    pf = prefill or Prefill()
+    ids = list(prompt_ids)
+    outs: list[T] = []
+    pieces = pf.pieces(len(ids))
+    for i, rows in enumerate(pieces):
+        if i and cancel is not None and cancel.cancelled:
+            return None
+        outs.append(run(ids[rows.start : rows.stop], rows))
+        if pf.on_progress is not None:
+            pf.on_progress(rows.stop, len(ids))
+    return outs
+
+
+def cancelled_early(stats: GenerationStats) -> GenerationResult:
+    """The result of a generation stopped while it read the prompt: no text."""
+    return GenerationResult("", [], "cancelled", stats)
+
+
 def check_context(runner: SplitRunner, prompt_len: int) -> None:
     limit = runner.client.config.max_position_embeddings
     if prompt_len >= limit:
@@ -199,14 +250,20 @@ def generate_sequential(
     *,
     on_text: TextCallback | None = None,
     cancel: CancelToken | None = None,
+    prefill: Prefill | None = None,
 ) -> GenerationResult:
     """One token per trunk round trip: the reference every other decoder must equal."""
     t0 = time.perf_counter()
     st = start_generation(runner, prompt_ids, params, on_text)
     out, gen, stats, limit = st.out, st.generator, st.stats, st.limit
     ids = list(prompt_ids)
-    logits = runner.forward(ids, range(len(ids)), last_only=True)  # [1, V]
-    stats.round_trips += 1
+    blocks = read_prompt(
+        lambda b, pos: runner.forward(b, pos, last_only=True), ids, prefill, cancel
+    )
+    if blocks is None:
+        return cancelled_early(stats)
+    logits = blocks[-1]  # [1, V]
+    stats.round_trips += len(blocks)
     t_first = 0.0
     while True:
         tok = pick(logits[-1], params, ids, gen)
@@ -257,11 +314,17 @@ def generate(
     decoder: str = "sequential",
     on_text: TextCallback | None = None,
     cancel: CancelToken | None = None,
+    prefill: Prefill | None = None,
 ) -> GenerationResult:
+    """``prefill`` (optional) reads the prompt in blocks with progress (:class:`Prefill`)."""
     decoders = available_decoders()
     if decoder not in decoders:
         raise GenerationError(
             f"unknown decoder '{decoder}'", hint="choose one of: " + ", ".join(sorted(decoders))
         )
     with torch.inference_mode():
-        return decoders[decoder](runner, prompt_ids, params, on_text=on_text, cancel=cancel)
+        if prefill is None:  # decoders registered by plugins need not know the option
+            return decoders[decoder](runner, prompt_ids, params, on_text=on_text, cancel=cancel)
+        return decoders[decoder](
+            runner, prompt_ids, params, on_text=on_text, cancel=cancel, prefill=prefill
+        )

@@ -46,7 +46,10 @@ from engine.generate import (
     DECODERS,
     CancelToken,
     GenerationResult,
+    Prefill,
     TextCallback,
+    cancelled_early,
+    read_prompt,
     start_generation,
 )
 from engine.lazy_logits import LazyLogits
@@ -362,6 +365,7 @@ def generate_speculative(
     cancel: CancelToken | None = None,
     drafter: TreeDrafter | None = None,
     options: SpecOptions | None = None,
+    prefill: Prefill | None = None,
 ) -> GenerationResult:
     """Tree speculative decoding: same output as :func:`engine.generate.generate_sequential`."""
     opts = options or SpecOptions()
@@ -375,8 +379,13 @@ def generate_speculative(
     taps = _taps(runner, head)
     drafter.reset()
     ctx = list(prompt_ids)
-    logits, feats = _verify(runner, ctx, range(len(ctx)), None, None, taps)  # [L, V]
-    stats.round_trips += 1
+    blocks = read_prompt(
+        lambda b, pos: _verify(runner, b, pos, None, None, taps), ctx, prefill, cancel
+    )
+    if blocks is None:
+        return cancelled_early(stats)
+    logits, feats = _joined(blocks)  # [L, V], [L, 3H] | None
+    stats.round_trips += len(blocks)
     # (the prefill is not a verification round: prompt processing, a session being opened and
     # first-call costs would make its few long blocks set the cost model's slope)
     tok = choose_token(logits[-1], params, ctx, gen, {})
@@ -525,6 +534,16 @@ def _verify(
         return runner.forward(ids, positions, parents, keep), None
     states = runner.forward_states(ids, positions, parents, keep)
     return runner.client.logits(states.final), states.features()
+
+
+def _joined(
+    blocks: list[tuple[torch.Tensor, torch.Tensor | None]],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits (and features) of a prompt read in several blocks, as one block's."""
+    if len(blocks) == 1:
+        return blocks[0]
+    feats = [f for _, f in blocks if f is not None]
+    return torch.cat([lg for lg, _ in blocks]), torch.cat(feats) if feats else None
 
 
 def _verify_hidden(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.core.chat import fit_history, title_from
+from app.core.chat import fit_history, regenerate_params, title_from
 from app.core.controller import AppController
 from app.core.drafting import apply_suggestion, plan_suggestion
 from app.core.gauges import local_weight_bytes, max_local_layers
@@ -132,11 +132,17 @@ def test_stop_regenerate_and_edit(tiny: Path, tmp_path: Path) -> None:
     reply = app.chat.messages()[-1]
     assert reply.finish_reason == "cancelled"
     app.chat.message_updated.disconnect(stop_after_three)
+    app.chat.new_seed = lambda: 21
     assert app.chat.regenerate()
     msgs = app.chat.messages()
     assert len(msgs) == 2
-    want = greedy(tiny, [{"role": "user", "content": "Veil splits a language model"}], 1, 40)
-    assert msgs[1].content == want
+    # Regenerate samples with a fresh seed (a greedy chat would write the same reply again)
+    runner = open_runner(RunnerOptions(model=str(tiny), local_layers=1))
+    ids = prompt_ids(
+        runner.client.tokenizer, [{"role": "user", "content": "Veil splits a language model"}]
+    )
+    params = regenerate_params(SamplingParams(max_new_tokens=40), 21)
+    assert msgs[1].content == generate(runner, ids, params).text
     assert app.chat.edit_last("Jane Doe lives")
     msgs = app.chat.messages()
     assert msgs[0].content == "Jane Doe lives" and len(msgs) == 2

@@ -18,6 +18,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QTextCursor
 from PySide6.QtWidgets import QApplication
 
+from app.core.chat import regenerate_params
 from app.core.engine_host import CONNECTED, OFFLINE, DemoServerSource
 from app.core.settings import MODE_DEMO
 from app.main_window import MainWindow, create, parse_args
@@ -74,10 +75,13 @@ def w_executor_idle(app: Any) -> bool:
     return bool(app.executor.pending == 0)
 
 
-def greedy(tiny: Path, history: list[dict[str, str]], k: int, n: int) -> str:
+def greedy(
+    tiny: Path, history: list[dict[str, str]], k: int, n: int, params: SamplingParams | None = None
+) -> str:
+    """The engine's reply (greedy, or with ``params``) to ``history``."""
     runner = open_runner(RunnerOptions(model=str(tiny), local_layers=k))
     ids = prompt_ids(runner.client.tokenizer, history)
-    return generate(runner, ids, SamplingParams(max_new_tokens=n)).text
+    return generate(runner, ids, params or SamplingParams(max_new_tokens=n)).text
 
 
 def send(qtbot: Any, w: MainWindow, text: str) -> None:
@@ -131,8 +135,9 @@ def test_stream_stop_regenerate_and_resplit(qtbot: Any, tiny: Path, server: Any,
     assert w.chat_view.widgets[stopped.id].note.text() == "Stopped."
     assert w.chat_view.send_button.text() == "Send"
 
-    # regenerate: the stopped reply is replaced by a full one
+    # regenerate: the stopped reply is replaced by a full one, sampled with a fresh seed
     w.app.settings.max_tokens = 16
+    chat.new_seed = lambda: 5
     qtbot.mouseClick(w.chat_view.regen_button, Qt.MouseButton.LeftButton)
     wait_idle(qtbot, w)
     msgs = chat.messages()
@@ -142,7 +147,8 @@ def test_stream_stop_regenerate_and_resplit(qtbot: Any, tiny: Path, server: Any,
         {"role": "assistant", "content": want},
         {"role": "user", "content": "Veil splits a language model"},
     ]
-    assert msgs[-1].content == greedy(tiny, history, 1, 16)
+    params = regenerate_params(SamplingParams(max_new_tokens=16), 5)
+    assert msgs[-1].content == greedy(tiny, history, 1, 16, params)
 
     # slider: re-split from the next message, same conversation, still exact
     w.privacy.slider.setValue(2)

@@ -116,6 +116,8 @@ def test_side_panel_is_not_clipped_at_large_text_in_dark(
     s = w.app.settings
     w.apply_settings(type(s)(**{**vars(s), "theme": "dark", "font_size": pt}))
     w.resize(1280, 800)
+    w.panels.wanted = True  # (at 20 pt the panel folds away at this width: the rail shows it)
+    w.panels.apply()
     send(qtbot, w, "hello")  # fill the gauges
     wait_idle(qtbot, w)
     panel, scroll = w.side_panel, w.side_scroll

@@ -8,19 +8,57 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from app.core.engine_host import CONNECTED, LOCAL, OFFLINE, EngineHost
+from app.core.long_message import (
+    READ_CHUNK,
+    LengthCheck,
+    ReadingClock,
+    check_length,
+    prompt_room,
+    shows_reading,
+)
 from app.core.settings import Settings
 from app.core.storage import Message, StorageError, Store
 from app.core.tasks import Event, Executor, Task, TaskContext
 from engine.chat import prompt_ids
 from engine.errors import GenerationError, VeilError
-from engine.generate import GenerationResult
+from engine.generate import GenerationResult, Prefill
+from engine.sampling import SamplingParams
 
 SAVE_EVERY_S = 0.5
+NEW_CHAT_TITLE = "New chat"
+# Regenerate writes a different reply, as in LM Studio and Jan: it always samples, with a fresh
+# seed; when the chat's creativity is 0 (always the most likely words, the default) it samples
+# at this creativity and word-choice range instead, since greedy would repeat the reply.
+REGENERATE_TEMPERATURE = 0.7
+REGENERATE_TOP_P = 0.9
+REGENERATE_NOTE = (
+    "At 0 the same message always gets the same reply. ↻ Regenerate always writes a different "
+    f"one: it picks words at random (creativity {REGENERATE_TEMPERATURE} when this is 0), like "
+    "regenerating in LM Studio or Jan."
+)
+
+
+def regenerate_params(base: SamplingParams, seed: int) -> SamplingParams:
+    """The decoding settings of a regenerated reply (see REGENERATE_TEMPERATURE)."""
+    if base.greedy:
+        return replace(
+            base,
+            temperature=REGENERATE_TEMPERATURE,
+            top_p=min(base.top_p, REGENERATE_TOP_P),
+            seed=seed,
+        )
+    return replace(base, seed=seed)
+
+
+def fresh_seed() -> int:
+    return random.SystemRandom().randrange(2**63)
 
 
 def title_from(text: str, limit: int = 40) -> str:
@@ -61,6 +99,7 @@ class ChatController:
         # events (called on the GUI thread)
         self.conversations_changed = Event()  # ()
         self.conversation_opened = Event()  # (conv_id | None)
+        self.before_switch = Event()  # () another chat is about to be shown
         self.message_added = Event()  # (Message)
         self.message_updated = Event()  # (Message) streamed text so far
         self.message_removed = Event()  # (msg_id)
@@ -70,10 +109,32 @@ class ChatController:
         self.progress = Event()  # (stage, fraction)
         self.state_changed = Event()  # (state)
         self.finished = Event()  # (GenerationResult)
+        # (rows read, rows in the prompt, seconds left or None) while a long prompt is read
+        self.reading = Event()
+        self.read_chunk = READ_CHUNK  # prompt rows per block (tests make it small)
+        self.new_seed: Callable[[], int] = fresh_seed  # Regenerate's seeds (tests fix them)
 
     # --- conversations ------------------------------------------------------------------------
 
+    def is_empty(self, conv_id: int) -> bool:
+        """A "New chat" with no message, no unsent text and no name given: nothing would be
+        lost by removing it."""
+        conv = self.store.conversation(conv_id)
+        return (
+            conv is not None
+            and conv.title == NEW_CHAT_TITLE
+            and not self.store.messages(conv_id)
+            and not self.store.get(f"draft:{conv_id}")
+        )
+
     def new_conversation(self) -> int:
+        """A new chat; the open chat is reused when it is still empty (so pressing "New chat"
+        twice never piles up empty chats)."""
+        self.before_switch.emit()
+        cur = self.current
+        if cur is not None and not self.busy and self.is_empty(cur):
+            self.open(cur)
+            return cur
         conv_id = self.store.create_conversation(system_prompt=self.settings.system_prompt)
         self.conversations_changed.emit()
         self.open(conv_id)
@@ -82,12 +143,36 @@ class ChatController:
     def open(self, conv_id: int | None) -> None:
         if conv_id is not None and self.store.conversation(conv_id) is None:
             conv_id = None
+        self.before_switch.emit()  # the view saves the unsent text of the chat it shows
+        left = self.current
         self.current = conv_id
         self.store.set("last_conversation", conv_id)
+        if left is not None and left != conv_id and self._remove_if_empty(left):
+            self.conversations_changed.emit()
         self.conversation_opened.emit(conv_id)
+
+    def _remove_if_empty(self, conv_id: int) -> bool:
+        """Remove a chat that was left empty (never one with a message or unsent text)."""
+        if not self.is_empty(conv_id):
+            return False
+        with contextlib.suppress(StorageError):  # (reported on store.failed)
+            self.store.delete_conversation(conv_id)
+            return True
+        return False
+
+    def remove_empty_chats(self) -> int:
+        """At start: remove the empty "New chat" entries an older version left behind."""
+        gone = 0
+        for conv in self.store.conversations():
+            if conv.id != self.current:
+                gone += self._remove_if_empty(conv.id)
+        if gone:
+            self.conversations_changed.emit()
+        return gone
 
     def restore_last(self) -> None:
         self.open(self.store.get("last_conversation"))
+        self.remove_empty_chats()
 
     def messages(self) -> list[Message]:
         return self.store.messages(self.current) if self.current is not None else []
@@ -169,7 +254,7 @@ class ChatController:
             self.message_removed.emit(msgs[-1].id)
         if not any(m.role == "user" for m in self.messages()):
             return False
-        self._start(restore="", user_id=None)
+        self._start(restore="", user_id=None, regenerate=True)
         return True
 
     def edit_last(self, text: str) -> bool:
@@ -222,7 +307,27 @@ class ChatController:
         self._start(restore="", user_id=None, extend=self.messages()[-1])
         return True
 
-    def _start(self, restore: str, user_id: int | None, extend: Message | None = None) -> None:
+    def length_check(self, text: str) -> LengthCheck | None:
+        """``text`` measured as the next message of the open chat (None while no model is
+        loaded, or for an empty text)."""
+        tok, cfg = self.host.tokenizer, self.host.config
+        if tok is None or cfg is None or not text.strip():
+            return None
+        return check_length(
+            tok,
+            self._history(),
+            text.strip(),
+            cfg.max_position_embeddings,
+            self.settings.max_tokens,
+        )
+
+    def _start(
+        self,
+        restore: str,
+        user_id: int | None,
+        extend: Message | None = None,
+        regenerate: bool = False,
+    ) -> None:
         assert self.current is not None
         conv_id = self.current
         history = self._history()
@@ -236,23 +341,40 @@ class ChatController:
             self.message_added.emit(reply)
         self._streaming = reply
         params = self.settings.sampling()
+        if regenerate:
+            params = regenerate_params(params, self.new_seed())
         host = self.host
         sources_for = self.sources_for
         used: list[dict[str, Any]] = []
+        chunk = self.read_chunk
 
         def work(ctx: TaskContext) -> tuple[GenerationResult, str]:
             runner = host.ensure_ready_blocking(ctx.progress)
             cfg = runner.client.config
             tok = runner.client.tokenizer
             start = [int(i) for i in tok.encode(before, add_special_tokens=False)] if before else []
-            limit = cfg.max_position_embeddings - min(params.max_new_tokens, 1024) - len(start)
+            limit = prompt_room(cfg.max_position_embeddings, params.max_new_tokens, len(start))
             msgs = history
             if sources_for is not None:
-                msgs, found = sources_for(conv_id, history, tok, max(limit, 16), ctx.progress)
+                msgs, found = sources_for(conv_id, history, tok, limit, ctx.progress)
                 used.extend(found)
-            ids = fit_history(tok, msgs, max(limit, 16)) + start
+            ids = fit_history(tok, msgs, limit) + start
+            clock = ReadingClock()
+            shown = shows_reading(len(ids), chunk)
+            if shown:
+                ctx.reading(0, len(ids), None)
+
+            def read(done: int, total: int) -> None:
+                if shown:
+                    ctx.reading(done, total, clock.seconds_left(done, total))
+
             result = host.generate_blocking(
-                ids, params, on_text=ctx.text, cancel=ctx.cancel, report=ctx.report
+                ids,
+                params,
+                on_text=ctx.text,
+                cancel=ctx.cancel,
+                report=ctx.report,
+                prefill=Prefill(chunk=chunk, on_progress=read),
             )
             if not start:
                 return result, result.text
@@ -315,6 +437,7 @@ class ChatController:
             on_text=on_text,
             on_progress=lambda s, f: self.progress.emit(s, f),
             on_report=on_report,
+            on_reading=lambda d, n, left: self.reading.emit(d, n, left),
         )
         self._set_busy(True)
         if extend is not None:

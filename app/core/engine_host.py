@@ -18,7 +18,7 @@ from app.core.gauges import local_weight_bytes, max_local_layers, process_memory
 from app.core.settings import MODE_DEMO, MODE_IN_PROCESS, MODE_SERVER
 from engine.config import ModelConfig
 from engine.errors import TransportError, VeilError
-from engine.generate import CancelToken, GenerationResult, available_decoders, generate
+from engine.generate import CancelToken, GenerationResult, Prefill, available_decoders, generate
 from engine.loading import Progress, load_config, resolve
 from engine.sampling import SamplingParams
 from engine.session import parse_dtype
@@ -295,6 +295,11 @@ class EngineHost:
         except VeilError:
             return local_weight_bytes(self.config, k, dtype)
 
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded model's tokenizer (None before the model is loaded)."""
+        return self.runner.client.tokenizer if self.runner is not None else None
+
     def trunk_label(self) -> str:
         """Which server: "the built-in server on this computer" / "your organization's server"
         ("" when none is used or known yet)."""
@@ -398,8 +403,10 @@ class EngineHost:
         report: Callable[[dict[str, Any]], None] | None = None,
         progress: Progress | None = None,
         decoder: str | None = None,
+        prefill: Prefill | None = None,
     ) -> GenerationResult:
-        """One reply; ``report`` gets live gauge values about every 0.3 s."""
+        """One reply; ``report`` gets live gauge values about every 0.3 s; ``prefill`` reads
+        the prompt in blocks and says how far it is (``engine.generate.Prefill``)."""
         runner = self.ensure_ready_blocking(progress)
         with self._lock:
             counting = _CountingRunner(runner)
@@ -432,6 +439,7 @@ class EngineHost:
                     decoder=dec or "sequential",
                     on_text=text,
                     cancel=cancel,
+                    prefill=prefill,
                 )
             except TransportError as exc:
                 self.state = OFFLINE

@@ -69,11 +69,14 @@ class TaskContext:
         progress: Callable[[str, float], None],
         text: Callable[[str], None],
         report: Callable[[dict[str, Any]], None],
+        reading: Callable[[int, int, float | None], None] | None = None,
     ) -> None:
         self.cancel = cancel
         self.progress = progress
         self.text = text
         self.report = report
+        # (prompt rows read, rows in the prompt, about how many seconds the rest takes)
+        self.reading = reading or _ignore
 
 
 def _ignore(*_: Any) -> None:
@@ -89,6 +92,7 @@ class Task:
     on_text: Callable[[str], None] = _ignore
     on_progress: Callable[[str, float], None] = _ignore
     on_report: Callable[[dict[str, Any]], None] = _ignore
+    on_reading: Callable[[int, int, float | None], None] = _ignore
     cancel: CancelToken = field(default_factory=CancelToken)
 
 
@@ -104,7 +108,9 @@ class InlineExecutor:
 
     def submit(self, task: Task) -> None:
         self.history.append(task.name)
-        ctx = TaskContext(task.cancel, task.on_progress, task.on_text, task.on_report)
+        ctx = TaskContext(
+            task.cancel, task.on_progress, task.on_text, task.on_report, task.on_reading
+        )
         try:
             result = task.fn(ctx)
         except Exception as exc:

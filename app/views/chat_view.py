@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QKeyEvent, QResizeEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
     QLabel,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
@@ -20,9 +21,17 @@ from PySide6.QtWidgets import (
 from app.core import problems
 from app.core.chat import ChatController
 from app.core.documents.controller import DocumentsController
+from app.core.long_message import (
+    LengthCheck,
+    cut_question,
+    reading_text,
+    size_note,
+    split_message,
+)
 from app.core.settings import PRESETS
 from app.core.storage import Message
 from app.views import export
+from app.views.demo_notice import DemoNotice
 from app.views.elided_label import ElidedLabel
 from app.views.error_banner import ErrorBanner
 from app.views.message_widget import MessageWidget
@@ -113,6 +122,11 @@ class ChatView(QWidget):
         sys_row.setContentsMargins(24, 0, 24, 8)
         sys_row.addWidget(self.system_edit)
         outer.addLayout(sys_row)
+        demo_row = QHBoxLayout()
+        demo_row.setContentsMargins(24, 0, 24, 8)
+        self.demo = DemoNotice()
+        demo_row.addWidget(self.demo)
+        outer.addLayout(demo_row)
 
         # messages
         self.scroll_area = QScrollArea()
@@ -128,6 +142,7 @@ class ChatView(QWidget):
         self.list.addWidget(self.empty)
         self.list.addStretch(1)
         self.scroll_area.setWidget(self.inner)
+        self.scroll_area.viewport().installEventFilter(self)  # bubbles follow its width
         outer.addWidget(self.scroll_area, 1)
         self.scroll_area.verticalScrollBar().rangeChanged.connect(self._autoscroll)
 
@@ -191,11 +206,18 @@ class ChatView(QWidget):
         buttons.addLayout(small)
         row.addLayout(buttons)
         bottom.addLayout(row)
+        self.length_note = QLabel()  # a long message's size against the model's reading
+        self.length_note.setObjectName("Small")
+        self.length_note.setWordWrap(True)
+        self.length_note.hide()
+        bottom.addWidget(self.length_note)
         self.editing = False
         outer.addLayout(bottom)
 
         self._draft_timer = QTimer(self, singleShot=True, interval=400)
         self._draft_timer.timeout.connect(self.save_draft_now)
+        self._length_timer = QTimer(self, singleShot=True, interval=300)
+        self._length_timer.timeout.connect(self.update_length_note)
 
         chat.conversation_opened.connect(self.load)
         chat.message_added.connect(self.add_message)
@@ -204,6 +226,8 @@ class ChatView(QWidget):
         chat.busy_changed.connect(self.set_busy)
         chat.failed.connect(self.show_failure)
         chat.conversations_changed.connect(self._refresh_title)
+        chat.before_switch.connect(self.save_draft_now)
+        chat.reading.connect(self.show_reading)
         self.set_busy(False)
 
     def resizeEvent(self, e: QResizeEvent) -> None:
@@ -217,6 +241,21 @@ class ChatView(QWidget):
             + self.export_button.sizeHint().width()
         )
         self.style_label.setVisible(self.width() >= need)
+
+    def eventFilter(self, obj: QObject, e: QEvent) -> bool:
+        if obj is self.scroll_area.viewport() and e.type() == QEvent.Type.Resize:
+            self._fit_widths()
+        return super().eventFilter(obj, e)
+
+    def _room(self) -> int:
+        """The width a message may take: the visible conversation, less its margins."""
+        m = self.list.contentsMargins()
+        return self.scroll_area.viewport().width() - m.left() - m.right()
+
+    def _fit_widths(self) -> None:
+        room = self._room()
+        for w in self.widgets.values():
+            w.fit_width(room)
 
     # --- building ---------------------------------------------------------------------------
 
@@ -257,6 +296,7 @@ class ChatView(QWidget):
         self.composer.blockSignals(True)
         self.composer.setPlainText(self.chat.draft())
         self.composer.blockSignals(False)
+        self.update_length_note()
         self._sync_preset()
         self._update_empty()
         if self.documents is not None:
@@ -314,15 +354,14 @@ class ChatView(QWidget):
         if msg.conversation_id != self.chat.current or msg.id in self.widgets:
             return
         w = MessageWidget(msg)
+        w.fit_width(self._room())
         row = QWidget()
         rl = QHBoxLayout(row)
         rl.setContentsMargins(0, 0, 0, 0)
         if msg.role == "user":
             rl.addStretch(1)
-            w.setMaximumWidth(640)
             rl.addWidget(w, 0)
         else:
-            w.setMaximumWidth(900)
             rl.addWidget(w, 1)
         self.list.insertWidget(self.list.count() - 1, row)
         self.rows[msg.id] = row
@@ -376,6 +415,12 @@ class ChatView(QWidget):
         for msg_id, w in self.widgets.items():
             w.set_can_continue(can and msg_id == last)
 
+    def show_reading(self, done: int, total: int, seconds_left: float | None) -> None:
+        """How far the model has read a long message, in the reply it is about to write."""
+        msgs = [w for w in self.widgets.values() if w.role == "assistant"]
+        if self.chat.busy and msgs and not msgs[-1].content:
+            msgs[-1].set_text(reading_text(done, total, seconds_left))
+
     def set_welcome(self, text: str) -> None:
         """The empty chat's privacy sentence (the same words as the privacy panel)."""
         self.welcome.setText(text)
@@ -402,13 +447,50 @@ class ChatView(QWidget):
             self.composer.setFocus()
             return
         self.error.hide()
+        rest = ""
+        check = self.chat.length_check(text)
+        if check is not None and not check.fits:  # too long: say what would be cut, ask
+            if not self.ask_cut(check, text):
+                self.composer.setFocus()
+                return
+            text, rest = split_message(check, text)
         if self.editing:
             self.editing = False
             ok = self.chat.edit_last(text)
         else:
             ok = self.chat.send(text)
         if ok:
-            self.composer.clear()
+            self.composer.setPlainText(rest)  # the part left out waits to be sent next
+
+    def ask_cut(self, check: LengthCheck, text: str) -> bool:
+        """Send the part of a too-long message that fits? (tests replace this)"""
+        box = QMessageBox(
+            QMessageBox.Icon.Question,
+            "This message is too long for the model",
+            cut_question(check, text),
+            parent=self,
+        )
+        go = box.addButton("Send the first part", QMessageBox.ButtonRole.AcceptRole)
+        cancel = box.addButton(QMessageBox.StandardButton.Cancel)
+        box.setDefaultButton(cancel)
+        try:
+            box.exec()
+            return box.clickedButton() is go
+        finally:
+            box.deleteLater()
+
+    def update_length_note(self) -> None:
+        """The message's size against what the model reads at once, when it is worth saying."""
+        self._length_timer.stop()
+        check = self.chat.length_check(self.composer.toPlainText())
+        note = size_note(check) if check is not None else ""
+        self.length_note.setText(note)
+        name = "Small" if check is None or check.fits else "FieldNote"
+        if self.length_note.objectName() != name:  # the object name picks the colour
+            self.length_note.setObjectName(name)
+            self.length_note.style().unpolish(self.length_note)
+            self.length_note.style().polish(self.length_note)
+        self.length_note.setVisible(bool(note))
 
     def edit_last(self) -> None:
         text = self.chat.last_user_text()
@@ -428,8 +510,8 @@ class ChatView(QWidget):
             self.send_button.setText("Resend" if self.editing else "Send")
             set_icon(self.send_button, "send", "accent_text")
             self.send_button.setAccessibleName("Send message")
-            for w in self.widgets.values():  # drop the streaming placeholder
-                if w.plain_text() == "…":
+            for w in self.widgets.values():  # drop the placeholder ("…", "Reading…")
+                if w.role == "assistant" and not w.content:
                     w.set_text("")
         has = bool(self.widgets)
         self.regen_button.setEnabled(not busy and has)
@@ -455,6 +537,7 @@ class ChatView(QWidget):
 
     def _draft_changed(self) -> None:
         self._draft_timer.start()
+        self._length_timer.start()
 
     def export(self) -> None:
         conv_id = self.chat.current

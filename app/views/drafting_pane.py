@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeyEvent, QTextCursor
 from PySide6.QtWidgets import (
     QFrame,
@@ -34,11 +34,15 @@ from app.core.drafting import (
 )
 from app.core.storage import Document
 from app.views import export
+from app.views.demo_notice import DemoNotice
 from app.views.error_banner import ErrorBanner
+from app.views.flow_row import FlowRow
 from app.views.theme import set_icon
 from engine.errors import VeilError
 
 BUTTONS = ("outline", "formal", "grammar", "summarize", "continue")
+READ_ONLY_NOTE = "The suggestion cannot be changed here: Accept it, then edit it in your document."
+LOCKED_NOTE = "Your document is locked while a suggestion waits: Accept or Reject it first."
 
 
 def utf16_len(s: str) -> int:
@@ -60,9 +64,18 @@ def q_pos(text: str, index: int) -> int:
     return utf16_len(text[:index])
 
 
+def is_typing(e: QKeyEvent) -> bool:
+    """A key that would type a character (not a shortcut, an arrow or a modifier)."""
+    mods = e.modifiers() & ~Qt.KeyboardModifier.ShiftModifier
+    return bool(e.text().strip()) and mods == Qt.KeyboardModifier.NoModifier
+
+
 class DocEditor(QPlainTextEdit):
     """The document text. Tab moves to the next control like everywhere in the window;
-    Ctrl+Tab types a tab character for the rare document that needs one."""
+    Ctrl+Tab types a tab character for the rare document that needs one. While a suggestion
+    waits the text is locked, and typing says so (``typed_locked``)."""
+
+    typed_locked = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -73,6 +86,26 @@ class DocEditor(QPlainTextEdit):
             if not self.isReadOnly():
                 self.insertPlainText("\t")
             return
+        if self.isReadOnly() and is_typing(e):
+            self.typed_locked.emit()
+        super().keyPressEvent(e)
+
+
+class SuggestionText(QPlainTextEdit):
+    """The suggestion: read-only, reached by a click (Tab skips it, so text typed after Tab
+    never lands here). Typing into it says where the text can be changed."""
+
+    typed = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setReadOnly(True)
+        self.setTabChangesFocus(True)
+        self.setFocusPolicy(Qt.FocusPolicy.ClickFocus)
+
+    def keyPressEvent(self, e: QKeyEvent) -> None:
+        if is_typing(e):
+            self.typed.emit()  # the text cannot go here: say so
         super().keyPressEvent(e)
 
 
@@ -97,6 +130,7 @@ class DraftingPane(QWidget):
         self.title.setPlaceholderText(DEFAULT_TITLE)
         self.title.setToolTip("The document's name (shown in the list on the left)")
         self.title.editingFinished.connect(self._rename)
+        self.title.returnPressed.connect(lambda: self.editor.setFocus())  # Enter: to the body
         bar.addWidget(self.title, 1)
         if documents is not None:
             self.open_button = QPushButton("Open file…")
@@ -115,25 +149,23 @@ class DraftingPane(QWidget):
         self.export_button.clicked.connect(self.export)
         bar.addWidget(self.export_button)
         outer.addLayout(bar)
+        self.demo = DemoNotice()
+        outer.addWidget(self.demo)
 
         actions = QGridLayout()
         actions.setHorizontalSpacing(8)
         actions.setVerticalSpacing(8)
         self.action_buttons: dict[str, QPushButton] = {}
-        rows = (QHBoxLayout(), QHBoxLayout())
-        for i, key in enumerate(BUTTONS):
+        for key in BUTTONS:
             a = ACTIONS[key]
             b = QPushButton(a.short or a.label)
             set_icon(b, "sparkle", "accent")
             b.setAccessibleName(a.label)
             b.setToolTip(f"{a.label}: {a.instruction}")
             b.clicked.connect(lambda _=False, k=key: self.run_action(k))
-            rows[0 if i < 3 else 1].addWidget(b)
             self.action_buttons[key] = b
-        for r, row in enumerate(rows):
-            row.setSpacing(8)
-            row.addStretch(1)
-            actions.addLayout(row, r, 0, 1, 2)
+        # as many on a line as fit: a narrow window wraps them instead of getting wider
+        actions.addWidget(FlowRow(list(self.action_buttons.values())), 0, 0, 2, 2)
         self.instruction = QLineEdit()
         self.instruction.setAccessibleName("Your own instruction")
         self.instruction.setPlaceholderText(
@@ -187,14 +219,19 @@ class DraftingPane(QWidget):
         self.s_title.setObjectName("CardTitle")
         self.s_title.setWordWrap(True)  # a long title must not push the editor narrower
         pl.addWidget(self.s_title)
-        self.s_text = QPlainTextEdit()
-        self.s_text.setTabChangesFocus(True)
-        self.s_text.setReadOnly(True)
-        self.s_text.setAccessibleName("Suggested text")
+        self.s_text = SuggestionText()
+        self.s_text.setAccessibleName("Suggested text (read-only)")
         self.s_text.setPlaceholderText(
             "Choose an action above. The suggestion appears here, word by word."
         )
         pl.addWidget(self.s_text, 1)
+        self.read_only_note = QLabel(READ_ONLY_NOTE)
+        self.read_only_note.setObjectName("FieldNote")
+        self.read_only_note.setWordWrap(True)
+        self.read_only_note.hide()
+        self.s_text.typed.connect(lambda: self._say(READ_ONLY_NOTE))
+        self.editor.typed_locked.connect(lambda: self._say(LOCKED_NOTE))
+        pl.addWidget(self.read_only_note)
         row = QHBoxLayout()
         self.accept_button = QPushButton("Accept")
         set_icon(self.accept_button, "check", "accent_text")
@@ -375,7 +412,13 @@ class DraftingPane(QWidget):
             self.s_title.setText(self.s_title.text() + " (hit the length limit)")
         self._sync_buttons()
 
+    def _say(self, note: str) -> None:
+        """Typing went where it cannot: say why, beside the Accept and Reject buttons."""
+        self.read_only_note.setText(note)
+        self.read_only_note.show()
+
     def _cleared(self) -> None:
+        self.read_only_note.hide()
         self.editor.setReadOnly(False)
         self.s_title.setText("Suggestion")
         self.s_text.setPlainText("")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QShowEvent
 from PySide6.QtWidgets import (
     QDialog,
     QFrame,
@@ -15,6 +16,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.core.invite import invite_problem
+from app.views.demo_notice import DemoNotice
 from app.views.theme import app_icon, set_icon
 
 DEMO = "demo"
@@ -24,13 +26,15 @@ SERVER = "server"
 class FirstRunDialog(QDialog):
     """``choice`` is DEMO or SERVER after exec() returns Accepted; ``invite`` holds the code."""
 
-    def __init__(self, parent: QWidget | None = None) -> None:
+    def __init__(self, parent: QWidget | None = None, demo_model: bool = True) -> None:
+        """``demo_model``: "Try it on this computer" uses the built-in demonstration model
+        (``app.core.demo_model``), and the card says what it is good for."""
         super().__init__(parent)
         self.setWindowTitle("Welcome to Veil")
         self.setModal(True)
         self.choice = ""
         self.invite = ""
-        self.resize(760, 460)
+        self.resize(760, 520)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(32, 28, 32, 24)
         lay.setSpacing(14)
@@ -57,14 +61,17 @@ class FirstRunDialog(QDialog):
         demo, demo_lay = self._card(
             "computer",
             "Try it on this computer",
-            "Runs a small demo server on this computer. Nothing leaves it and no account "
-            "is needed. Good for trying Veil out.",
+            "Runs a small demo server and model on this computer. Nothing leaves it and no "
+            "account is needed.",
         )
         self.demo_button = QPushButton("Try it on this computer")
         set_icon(self.demo_button, "computer", "accent_text")
         self.demo_button.setObjectName("PrimaryButton")
         self.demo_button.setAccessibleName("Try it on this computer")
         self.demo_button.clicked.connect(self._demo)
+        self.demo_notice = DemoNotice()
+        self.demo_notice.set_demo(demo_model)
+        demo_lay.addWidget(self.demo_notice)
         demo_lay.addStretch(1)
         demo_lay.addWidget(self.demo_button)
         cards.addWidget(demo, 1)
@@ -101,6 +108,16 @@ class FirstRunDialog(QDialog):
         foot.setAlignment(Qt.AlignmentFlag.AlignCenter)
         lay.addWidget(foot)
         self.demo_button.setFocus()
+
+    def showEvent(self, e: QShowEvent) -> None:
+        """Tall enough for every wrapped line at the text size in use (Qt does not grow a
+        window for its labels' wrapped height by itself)."""
+        lay = self.layout()
+        if lay is not None and lay.hasHeightForWidth():
+            need = lay.totalHeightForWidth(self.width())
+            if need > self.height():
+                self.resize(self.width(), need)
+        super().showEvent(e)
 
     def _card(self, icon_name: str, title: str, text: str) -> tuple[QFrame, QVBoxLayout]:
         card = QFrame()

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.core.long_message import preview, show_all_text
 from app.core.markdown import Segment, keep_line_breaks, segments
 from app.core.storage import Message
 from app.views.theme import later, set_icon
@@ -140,18 +141,33 @@ class MessageWidget(QFrame):
         self.continue_button.clicked.connect(self.continue_requested)
         self.continue_button.hide()
         foot.addWidget(self.continue_button)
+        self.more_button = QPushButton(self)  # a long message shows its start until clicked
+        self.more_button.setObjectName("LinkButton")
+        self.more_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.more_button.clicked.connect(self._toggle_more)
+        self.more_button.hide()
+        self.lay.addWidget(self.more_button, 0, Qt.AlignmentFlag.AlignLeft)
         self.lay.addLayout(foot)
         self._segs: list[Segment] = []
         self._can_continue = False
+        self.expanded = False
+        self._natural = 0  # the width a user's message would like (its longest line)
+        self._room = 1 << 20  # the width the conversation has for it (fit_width)
         self.finish_reason = msg.finish_reason
         self.set_message(msg)
 
     def set_message(self, msg: Message, streaming: bool = False) -> None:
         text = msg.content
         self.content = msg.content
+        self._msg = msg
         if not text and streaming:
             text = "…"
-        self.set_text(text)
+        short = preview(text) if self.role == "user" else None
+        self.more_button.setVisible(short is not None)
+        if short is not None:
+            self.more_button.setText("Show less" if self.expanded else show_all_text(text))
+            self.more_button.setAccessibleName(self.more_button.text())
+        self.set_text(text if short is None or self.expanded else short)
         self.finish_reason = msg.finish_reason
         note = FINISH_NOTES.get(msg.finish_reason, "")
         self.note.setText(note)
@@ -172,6 +188,17 @@ class MessageWidget(QFrame):
         copy_text(self.content, markdown=self.role == "assistant")
         _flash(self.copy_button)
 
+    def _toggle_more(self) -> None:
+        self.expanded = not self.expanded
+        self.set_message(self._msg)
+
+    def fit_width(self, room: int) -> None:
+        """The conversation is ``room`` pixels wide: never ask for more (a long line wraps)."""
+        self._room = max(room, 1)
+        self.setMaximumWidth(min(640 if self.role == "user" else 900, self._room))
+        if self.role == "user":
+            self.setMinimumWidth(min(self._natural, self._room))
+
     def set_text(self, text: str) -> None:
         segs = segments(text) or [Segment("text", "")]
         if [s.kind for s in segs] == [s.kind for s in self._segs]:
@@ -191,7 +218,8 @@ class MessageWidget(QFrame):
         if self.role == "user" and self.parts:
             fm = self.parts[0].fontMetrics()
             widest = max((fm.horizontalAdvance(ln) for ln in text.split("\n")), default=0)
-            self.setMinimumWidth(min(widest + 34, 560))
+            self._natural = min(widest + 34, 560)
+            self.setMinimumWidth(min(self._natural, self._room))
 
     def plain_text(self) -> str:
         return "\n".join(s.body for s in self._segs)

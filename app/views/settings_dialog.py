@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.core.api_host import api_available
+from app.core.chat import REGENERATE_NOTE
 from app.core.invite import invite_address, invite_problem
 from app.core.settings import FONT_SIZES, MODE_DEMO, MODE_SERVER, THEMES, Settings
 from app.views.error_banner import ErrorBanner
@@ -159,6 +160,10 @@ class SettingsDialog(QDialog):
         self.temperature.setAccessibleName("Creativity (temperature)")
         self.temperature.setToolTip("0 = always the most likely words (repeatable)")
         ml.addRow("Creativity (temperature):", self._noted(self.temperature))
+        self.regenerate_note = QLabel(REGENERATE_NOTE)
+        self.regenerate_note.setObjectName("Small")
+        self.regenerate_note.setWordWrap(True)
+        ml.addRow("", self.regenerate_note)
         self.top_p = DecimalField()
         self.top_p.setRange(0.05, 1.0)
         self.top_p.setSingleStep(0.05)

@@ -32,6 +32,7 @@ class Sidebar(QWidget):
     settings_requested = Signal()
     export_chat = Signal(int)
     export_document = Signal(int)
+    new_requested = Signal()  # + New chat / New document (the window creates it and focuses)
 
     matter_chosen = Signal(object)  # matter id, or None
 
@@ -87,7 +88,10 @@ class Sidebar(QWidget):
         self.new_button = QPushButton("New chat")
         set_icon(self.new_button, "plus", "accent_text")
         self.new_button.setObjectName("PrimaryButton")
-        self.new_button.clicked.connect(self.new_item)
+        # a click leaves the focus where the window puts it (the message box): a space typed
+        # next must not press the button again (Tab still reaches it)
+        self.new_button.setFocusPolicy(Qt.FocusPolicy.TabFocus)
+        self.new_button.clicked.connect(self.new_requested)
         lay.addWidget(self.new_button)
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search chats (Ctrl+F)")
