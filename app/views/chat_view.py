@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (
 from app.core import problems
 from app.core.chat import ChatController
 from app.core.settings import PRESETS
-from app.core.storage import Message
+from app.core.storage import Message, write_private_file
 from app.views import export
 from app.views.elided_label import ElidedLabel
 from app.views.error_banner import ErrorBanner
@@ -404,7 +404,7 @@ class ChatView(QWidget):
                 if path.suffix.lower() == ".json"
                 else self.chat.export_markdown(conv_id)
             )
-            path.write_text(body, encoding="utf-8")
+            write_private_file(path, body)  # 0600, as every export
         except OSError as exc:
             self.error.show_error(
                 VeilError(f"cannot save {path}: {exc.strerror}", hint="choose another folder"),
