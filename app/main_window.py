@@ -11,7 +11,6 @@ import argparse
 import base64
 import logging
 import sys
-import time
 from collections.abc import Sequence
 
 from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, QTimer
@@ -20,7 +19,6 @@ from PySide6.QtWidgets import (
     QApplication,
     QDialog,
     QHBoxLayout,
-    QLabel,
     QMainWindow,
     QMessageBox,
     QProgressBar,
@@ -28,17 +26,21 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.core import audit_info, problems
+from app import single_instance
+from app.core import logfile, problems
 from app.core.controller import AppController
 from app.core.demo_model import is_demo_model
 from app.core.engine_host import OFFLINE
 from app.core.long_message import reading_text
+from app.core.paths import data_dir
 from app.core.privacy import PrivacyView, welcome_text
 from app.core.settings import Settings
-from app.core.tasks import Task, TaskContext
-from app.views.audit_dialog import AuditDialog
+from app.core.tasks import Task
+from app.views.about_dialog import AboutDialog
+from app.views.audit_flow import AuditFlow
 from app.views.chat_view import ChatView
 from app.views.drafting_pane import DraftingPane
+from app.views.elided_label import ElidedLabel
 from app.views.first_run_dialog import DEMO, FirstRunDialog
 from app.views.matters_pane import MattersPane
 from app.views.server_notice import show_server_notice
@@ -46,7 +48,7 @@ from app.views.settings_dialog import SettingsDialog
 from app.views.side_panel import PanelLayout, PanelRail, SidePanel
 from app.views.sidebar import Sidebar
 from app.views.theme import Theme, app_icon, later
-from engine.errors import Cancelled, VeilError
+from engine.errors import VeilError
 
 log = logging.getLogger("veil.app")
 RECONNECT_EVERY_MS = 5000
@@ -97,7 +99,7 @@ class MainWindow(QMainWindow):
         self.panels = PanelLayout(self.sidebar, self.stack, self.side_scroll, self.rail)
         self.setCentralWidget(central)
 
-        self.status = QLabel("Starting…")
+        self.status = ElidedLabel("Starting…")  # plain text: it may quote a server
         self.status.setContentsMargins(10, 2, 0, 2)
         self.progress_bar = QProgressBar()
         self.progress_bar.setRange(0, 100)
@@ -110,6 +112,7 @@ class MainWindow(QMainWindow):
         self.sidebar.pane_changed.connect(self.show_pane)
         self.sidebar.new_requested.connect(self._new)
         self.sidebar.settings_requested.connect(self.open_settings)
+        self.sidebar.about_requested.connect(self.open_about)
         self.sidebar.export_chat.connect(self._export_chat)
         self.sidebar.export_document.connect(self._export_document)
         self.privacy.details_requested.connect(self.open_audit_details)
@@ -118,7 +121,7 @@ class MainWindow(QMainWindow):
         self.chat_view.settings_requested.connect(self.open_settings)
         app.resolved.connect(self._resolved)
         app.chat.failed.connect(lambda _e, _t: self._soon_reconnect())
-        self._audit_task: Task | None = None
+        self.audit = AuditFlow(self)
         app.chat.progress.connect(self.show_progress)
         app.chat.reading.connect(self._show_reading)
         app.drafting.progress.connect(self.show_progress)
@@ -135,6 +138,8 @@ class MainWindow(QMainWindow):
         QShortcut(QKeySequence("Ctrl+F"), self, self._search)
         QShortcut(QKeySequence("Ctrl+,"), self, self.open_settings)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self._stop)
+        QShortcut(QKeySequence("Ctrl+Q"), self, self.close)  # quit, as every desktop app
+        QShortcut(QKeySequence(Qt.Key.Key_F1), self, self.open_about)
         self._reconnect = QTimer(self, interval=RECONNECT_EVERY_MS)
         self._reconnect.timeout.connect(self._maybe_reconnect)
         self._reconnect.start()
@@ -216,9 +221,13 @@ class MainWindow(QMainWindow):
         self.app.drafting.stop()
 
     def show_progress(self, stage: str, fraction: float) -> None:
+        """The step in words, and a bar with its real progress where the step reports some,
+        else a busy indicator (a step that only says when it starts and ends looked stuck)."""
         self.status.setText(stage[:1].upper() + stage[1:] + "…")
         self.progress_bar.show()
-        self.progress_bar.setValue(int(max(0.0, min(1.0, fraction)) * 100))
+        measured = 0.0 < fraction < 1.0
+        self.progress_bar.setRange(0, 100 if measured else 0)  # (0, 0): busy, moves by itself
+        self.progress_bar.setValue(int(fraction * 100) if measured else 0)
 
     def _idle_status(self) -> None:
         busy = self.app.chat.busy or self.app.drafting.busy
@@ -286,6 +295,9 @@ class MainWindow(QMainWindow):
         if run_modal(dlg) and dlg.result_settings is not None:
             self.apply_settings(dlg.result_settings, reconnect=True)
 
+    def open_about(self) -> None:
+        run_modal(AboutDialog(self.app.folder, logfile.current(), logfile.log_dir(), self))
+
     def apply_settings(self, s: Settings, reconnect: bool = False) -> None:
         """Apply settings (Save in the Settings dialog reconnects at once)."""
         try:
@@ -303,21 +315,7 @@ class MainWindow(QMainWindow):
         later(0, self, self.panels.apply)  # once the new text size is laid out
 
     def open_audit_details(self) -> None:
-        k = self.app.settings.local_layers
-        name = self.app.model_name()
-        data = audit_info.latest(name)
-        rows = audit_info.rows(name, self.app.n_layers)
-        date = str(data.get("date", ""))[:10] if data else ""
-        dlg = AuditDialog(
-            name,
-            date,
-            rows,
-            k,
-            self,
-            fully_local=self.app.is_fully_local(k),
-            shipped=audit_info.is_shipped(data, name),
-        )
-        run_modal(dlg)
+        self.audit.details()
 
     def ask_yes(self, title: str, text: str, yes: str) -> bool:
         """A question with a ``yes`` button and Cancel (tests replace this)."""
@@ -329,103 +327,14 @@ class MainWindow(QMainWindow):
         return box.clickedButton() is go
 
     def audit_question(self, ks: list[int], seconds: float) -> str:
-        """What "Run privacy audit" asks before it starts."""
-        name = self.app.model_name()
-        data = audit_info.latest(name)
-        date = str(data.get("date", ""))[:10] if data else ""
-        if data is None:
-            replaces = "The results will appear beside the slider."
-        elif audit_info.is_shipped(data, name):
-            replaces = (
-                f"Its results replace the figures shown now, measured by the Veil team on {date}."
-            )
-        else:
-            replaces = f"Its results replace the figures from your audit of {date}."
-        k = self.app.settings.local_layers
-        local = (
-            f" At your current setting ({k}) nothing is sent, so it measures the settings that "
-            "use a server."
-            if self.app.is_fully_local(k)
-            else ""
-        )
-        names = [str(x) for x in ks]
-        depths = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-        return (
-            "The privacy audit measures how many words someone who runs the server could "
-            f"recover from what this computer sends, at {len(ks)} settings ({depths} layers at "
-            f"each end).{local} It uses sample text that comes with Veil, not your chats or "
-            f"documents.\n\nIt takes {audit_info.human_duration(seconds)} on this computer, "
-            "which is busy meanwhile: replies wait until it ends. You can cancel it at any "
-            f"time.\n\n{replaces}"
-        )
+        return self.audit.question(ks, seconds)
 
     def run_audit(self) -> None:
-        """Ask first (with a time estimate), run with a Cancel button, say when it is done."""
-        if self._audit_task is not None:  # the button reads "Cancel audit"
-            self._audit_task.cancel.cancel()
-            self.privacy.run_button.setEnabled(False)
-            self.privacy.set_audit_status("Cancelling the audit…")
-            return
-        if not audit_info.audit_runner_available():
-            self.chat_view.error.show_error(
-                VeilError("the privacy audit is not part of this installation"),
-                cause=problems.AUDIT,
-            )
-            return
-        n = self.app.n_layers
-        if n is None:
-            return
-        ks = audit_info.audit_depths(n, self.app.settings.local_layers)
-        if not ks:
-            self.chat_view.error.show_error(
-                VeilError(f"this model has too few layers ({n}) to split, so nothing to audit"),
-                cause=problems.AUDIT,
-            )
-            return
-        name = self.app.model_name()
-        last = self.app.store.get(f"audit.last:{name}")
-        last_t = (float(last[0]), [int(x) for x in last[1]]) if last else None
-        est = audit_info.estimate_seconds(ks, self.app.model_params(), last_t)
-        if not self.ask_yes("Run the privacy audit?", self.audit_question(ks, est), "Run audit"):
-            return
-        model = self.app.settings.model
-        t0 = time.monotonic()
+        self.audit.run()
 
-        def work(ctx: TaskContext) -> object:
-            return audit_info.run_blocking(model, ks, ctx.progress, lambda: ctx.cancel.cancelled)
-
-        def end(status: str, color: str) -> None:
-            self._audit_task = None
-            self.privacy.run_button.setText("Run privacy audit…")
-            self.privacy.run_button.setEnabled(True)
-            self.privacy.set_audit_status(status, color)
-            self.privacy.refresh()
-            self._idle_status()
-
-        def done(_: object) -> None:
-            took = time.monotonic() - t0
-            self.app.store.set(f"audit.last:{name}", [round(took, 1), ks])
-            self.app.resolved.emit(problems.AUDIT)
-            end(
-                f"Audit finished in {audit_info.elapsed_text(took)}. The figures above now come "
-                "from it.",
-                "ok",
-            )
-
-        def failed(err: VeilError) -> None:
-            if isinstance(err, Cancelled):
-                end("Audit cancelled; the figures above are unchanged.", "muted")
-                return
-            end("The audit did not finish; the figures above are unchanged.", "bad")
-            self.chat_view.error.show_error(err, cause=problems.AUDIT)
-
-        task = Task("audit", work, on_done=done, on_error=failed, on_progress=self.show_progress)
-        self._audit_task = task
-        self.privacy.run_button.setText("Cancel audit")
-        self.privacy.set_audit_status(
-            f"Running the privacy audit ({audit_info.human_duration(est)})…"
-        )
-        self.app.executor.submit(task)
+    @property
+    def _audit_task(self) -> Task | None:
+        return self.audit.task
 
     def _export_chat(self, conv_id: int) -> None:
         self.app.chat.open(conv_id)
@@ -464,8 +373,8 @@ class MainWindow(QMainWindow):
         self._reconnect.stop()
         self._watch_server.stop()
         self._stop()
-        if self._audit_task is not None:
-            self._audit_task.cancel.cancel()
+        if self.audit.task is not None:
+            self.audit.task.cancel.cancel()
         for ex in (self.executor, self.app.documents.executor):
             shutdown = getattr(ex, "shutdown", None)
             if callable(shutdown):
@@ -534,7 +443,7 @@ def _show_veil_errors_in(window: MainWindow) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logfile.setup()
     qapp = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "veil"])
     assert isinstance(qapp, QApplication)
     qapp.setApplicationName("Veil")
@@ -543,16 +452,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.smoke import run_smoke
 
         return run_smoke(args)
-    try:
-        app, window = create(args, args.data_dir)
+    try:  # one Veil per data folder: a second start shows the running one instead
+        guard = single_instance.claim(data_dir(args.data_dir))
+        if guard is None:
+            return 0
+        app, window = create(args, str(guard.folder))
     except VeilError as exc:
         return _startup_failed(exc)
+    guard.activated.connect(lambda: single_instance.bring_forward(window))
     _show_veil_errors_in(window)
     if not app.settings.first_run_done:
         dlg = FirstRunDialog(window, is_demo_model(app.settings.model))
         if not run_modal(dlg):
             window.close()
             _dispose(window)
+            guard.release()
             return 0
         try:
             app.choose_demo() if dlg.choice == DEMO else app.choose_server(dlg.invite)
@@ -564,6 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     app.sync_api()  # "Let other programs use Veil", when switched on
     rc = int(qapp.exec())
     _dispose(window)
+    guard.release()
     return rc
 
 

@@ -137,8 +137,9 @@ def capture(theme: str, data: Path, out: Path, args: argparse.Namespace) -> None
     k = app.settings.local_layers
     shipped = audit_info.is_shipped(data_, app.model_name())
     dlg = AuditDialog(
-        app.model_name(), str(data_.get("date", ""))[:10], rows, k, w, shipped=shipped
-    )
+        app.model_name(), str(data_.get("date", ""))[:10], rows, k, w, shipped=shipped,
+        n_layers=app.n_layers,
+    )  # fmt: skip
     save(w, out / f"audit-{theme}.png", dlg)
     n = app.n_layers or 2
     ks = audit_info.audit_depths(n, k)
@@ -154,8 +155,30 @@ def capture(theme: str, data: Path, out: Path, args: argparse.Namespace) -> None
     sd.invite.setText("veil1:abc")
     save(w, out / f"settings-invite-{theme}.png", sd)
 
-    # the built-in server stops: Veil says so and restarts it (the notice goes when it is back)
+    # a well-formed invite whose key is not the server's: Save tries it and says so
     source = app.host.source
+    if isinstance(source, DemoServerSource) and source.server is not None:
+        import zmq
+
+        from app.core.invite_check import check_invite_server
+        from engine.protocol import make_invite
+
+        srv = source.server
+        keys = srv.client_keys  # the built-in server lets these in
+        sd = SettingsDialog(app.settings, w, check=lambda c: check_invite_server(c, keys))
+        sd.server_radio.setChecked(True)
+        sd.invite.setText(make_invite(srv.address, zmq.curve_keypair()[0].decode()))
+        sd._save()
+        wait(lambda: sd.save_button.isEnabled(), 60)
+        save(w, out / f"settings-invite-check-{theme}.png", sd)
+
+    from app.core import logfile
+    from app.views.about_dialog import AboutDialog
+
+    about = AboutDialog(app.folder, logfile.log_path(), logfile.log_dir(), w)
+    save(w, out / f"about-{theme}.png", about)
+
+    # the built-in server stops: Veil says so and restarts it (the notice goes when it is back)
     if isinstance(source, DemoServerSource) and source.server is not None:
         source.server.kill()
         wait(lambda: w.chat_view.error.cause == "restart", 60)

@@ -14,12 +14,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """User data (conversations, audits, settings) goes to a temp dir, never the real one.
+    """User data (conversations, audits, settings) and the app's log go to temp dirs, never
+    the real ones.
 
     The model cache (VEIL_CACHE_DIR) is left alone so the default model converts once per
     machine, as it would for a user.
     """
     os.environ["VEIL_DATA_DIR"] = str(tmp_path_factory.mktemp("veil-data"))
+    os.environ["VEIL_LOG_DIR"] = str(tmp_path_factory.mktemp("veil-log"))
 
 
 @pytest.fixture(scope="session")

@@ -97,6 +97,22 @@ def figure(model_name: str, k: int) -> AuditFigure:
     return AuditFigure(k, float(worst[0]), str(worst[1]), date)
 
 
+def reply_share(model_name: str, k: int) -> float | None:
+    """The share of the model's own reply words the server recovered at split ``k`` (the
+    audit's best output-side attack on generated tokens), or None when not measured."""
+    data = latest(model_name)
+    best: float | None = None
+    for r in (data or {}).get("results", []):
+        try:
+            if int(r["k"]) != k or r.get("side") != "output":
+                continue
+            share = float(r["top1_generated"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        best = share if best is None else max(best, share)
+    return best
+
+
 def rows(model_name: str, n_layers: int | None = None) -> list[dict[str, Any]]:
     """The audit's result rows, sorted by k, for the details dialog. Rows at a fully local
     depth (an older audit may hold them) are left out: nothing is sent there."""

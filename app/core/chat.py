@@ -62,8 +62,14 @@ def fresh_seed() -> int:
 
 
 def title_from(text: str, limit: int = 40) -> str:
+    """A chat's title from its first message: one line, cut after a whole word with "…"."""
     line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 1]
+    if " " in cut and line[limit - 1] != " ":
+        cut = cut.rsplit(" ", 1)[0]  # never half a word
+    return cut.rstrip(" ,;:.-") + "…"
 
 
 def fit_history(tokenizer: Any, messages: list[dict[str, str]], limit: int) -> list[int]:

@@ -29,7 +29,7 @@ from app.core.engine_host import (
 )
 from app.core.gauges import GaugeState, human_bytes, local_weight_bytes, max_local_layers
 from app.core.paths import data_dir
-from app.core.privacy import PrivacyView, describe, fully_local
+from app.core.privacy import PrivacyView, describe, fully_local, setting_words
 from app.core.settings import MODE_DEMO, MODE_SERVER, Settings
 from app.core.storage import Store
 from app.core.tasks import Event, Executor, Task, TaskContext
@@ -255,8 +255,9 @@ class AppController:
         """The one word, sentence and figure beside the slider (no audit figure when k runs
         fully on this computer)."""
         n = self.n_layers
-        fig = None if n is not None and fully_local(n, k) else self.audit_figure(k)
-        return describe(n, k, fig)
+        if n is not None and fully_local(n, k):
+            return describe(n, k, None)
+        return describe(n, k, self.audit_figure(k), audit_info.reply_share(self.model_name(), k))
 
     def split_summary(self, k: int) -> str:
         n = self.n_layers
@@ -265,10 +266,8 @@ class AppController:
         local = min(2 * k, n)
         if local >= n:
             return f"All {n} layers run on this computer. Nothing is sent to a server."
-        return (
-            f"{local} of {n} layers run on this computer ({k} at each end); "
-            f"{n - local} on the server."
-        )
+        here = setting_words(n, k)  # the same words as the audit details and its question
+        return f"{here[:1].upper()}{here[1:]}; {n - local} on the server."
 
     # --- gauges / state -----------------------------------------------------------------------
 

@@ -472,8 +472,14 @@ class EngineHost:
                 )
             return result
 
+    def helper_pids(self) -> list[int]:
+        """Processes Veil started for itself that hold memory: the built-in server."""
+        server = getattr(self.source, "server", None)
+        proc = getattr(server, "proc", None)
+        return [proc.pid] if proc is not None and proc.poll() is None else []
+
     def _live(self, tok_s: float | None, per_rt: float | None) -> dict[str, Any]:
-        mem, label = process_memory_bytes(self.device)
+        mem, label = process_memory_bytes(self.device, self.helper_pids())
         out: dict[str, Any] = {
             "tokens_per_s": tok_s,
             "tokens_per_round_trip": per_rt,

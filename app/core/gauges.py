@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import ModelConfig
@@ -40,34 +41,55 @@ def max_local_layers(cfg: ModelConfig) -> int:
     return (cfg.n_layers + 1) // 2
 
 
-# What the performance panel calls this app's memory (and the explanation beside it). It is
-# always more than "Model memory needed here", which counts only the model's weights.
+# What the performance panel calls this app's memory, and the line under it that says exactly
+# what is counted. It is always more than "Model memory needed here" (the weights only).
 RSS_LABEL = "Veil's memory use now"
+RSS_SERVER_LABEL = "Veil's memory use now, with its built-in server"
 VRAM_LABEL = "Graphics card memory in use"
 PEAK_LABEL = "Veil's highest memory use"
-MEMORY_NOTE = "The whole app: the model's weights, its working memory and the window."
+MEMORY_NOTES = {
+    RSS_LABEL: "This app: the model's weights here, their working memory and the window.",
+    RSS_SERVER_LABEL: (
+        "This app (the model's ends, their working memory, the window) and the built-in server "
+        "on this computer, which runs the model's middle."
+    ),
+    VRAM_LABEL: "What this app has allocated on the graphics card.",
+    PEAK_LABEL: "The most this app has used since it started (its current use is not known).",
+}
+MEMORY_NOTE = MEMORY_NOTES[RSS_LABEL]
 
 
-def process_memory_bytes(device: str = "cpu") -> tuple[int, str]:
-    """(bytes, label): VRAM allocated on CUDA, else this process's resident memory (RSS)."""
+def _rss(pid: int | None = None) -> int | None:
+    """Resident memory of a process (this one when ``pid`` is None), None when unknown."""
+    try:
+        import psutil
+
+        return int(psutil.Process(pid).memory_info().rss)
+    except ImportError:
+        pass
+    except Exception:  # gone, or not ours to read
+        return None
+    try:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_memory_bytes(device: str = "cpu", helpers: Sequence[int] = ()) -> tuple[int, str]:
+    """(bytes, label): VRAM allocated on CUDA, else the resident memory (RSS) of this process
+    plus the ``helpers`` (the built-in server's process id), and a label saying which."""
     if device.startswith("cuda"):
         import torch
 
         return int(torch.cuda.memory_allocated()), VRAM_LABEL
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss), RSS_LABEL
-    except ImportError:
-        pass
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE"), RSS_LABEL
-    except (OSError, ValueError, IndexError):
+    own = _rss()
+    if own is None:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, PEAK_LABEL
+    extra = [b for b in (_rss(pid) for pid in helpers) if b is not None]
+    return own + sum(extra), RSS_SERVER_LABEL if extra else RSS_LABEL
 
 
 def human_bytes(n: float) -> str:

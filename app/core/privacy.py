@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from app.core.audit_info import AuditFigure
 from engine.split import SplitPlan
 
-# (lowest worst-case top-1 recovery, level word, colour key, what the server could read)
+# (lowest worst-case top-1 recovery, level word, colour key, what the server could read); the
+# words follow the figure: "all" from 95%, "most" from 50%, "some" from 10%
 LEVELS = (
+    (0.95, "High", "bad", "Someone who runs the server could read all of what you type."),
     (0.5, "High", "bad", "Someone who runs the server could read most of what you type."),
     (0.1, "Medium", "warn", "Someone who runs the server could read some of what you type."),
     (0.0, "Low", "ok", "Someone who runs the server could make out only a few of your words."),
@@ -23,6 +25,40 @@ UNKNOWN_SENTENCE = (
     "This setting has not been audited: assume someone who runs the server could read what "
     "you type."
 )
+
+
+def share_word(top1: float) -> str:
+    """How much of a text a recovery share means, in the panel's words."""
+    return "all" if top1 >= 0.95 else "most" if top1 >= 0.5 else "some" if top1 >= 0.1 else "few"
+
+
+def setting_words(n_layers: int | None, k: int) -> str:
+    """The slider's setting in the one vocabulary the app uses everywhere (the panel, the audit
+    details, the audit's question): "2 of 30 layers on this computer (1 at each end)"."""
+    if n_layers is None:
+        return f"{k} layer{'s' if k != 1 else ''} at each end on this computer"
+    local = min(2 * k, n_layers)
+    if local >= n_layers:
+        return f"all {n_layers} layers on this computer"
+    return f"{local} of {n_layers} layers on this computer ({k} at each end)"
+
+
+def reply_sentence(reply_top1: float | None, date: str) -> str:
+    """What the server reads of the replies. In the app the last layers and the LM head are
+    the public model's, so a server that has the weights finishes the model itself and reads
+    every word of a reply (docs/privacy.md); the audit measures it when it has the figure."""
+    if reply_top1 is None:
+        return (
+            "It could also read every word of Veil's replies: with the model's public weights "
+            "it can finish the model's work itself."
+        )
+    word = share_word(reply_top1)
+    how = "a few" if word == "few" else word
+    return (
+        f"It could also read {how} of Veil's replies: with the model's public weights it can "
+        f"finish the model's work itself (the audit of {date} recovered "
+        f"{reply_top1 * 100:.0f}% of reply words)."
+    )
 
 
 def level_for(top1: float) -> tuple[str, str, str]:
@@ -51,33 +87,41 @@ class PrivacyView:
     tooltip: str  # the attack behind the worst case (technical, for the curious)
     local: bool  # fully on this computer
     audited: bool  # the figure comes from an audit
+    reply: str = ""  # what the server reads of the replies ("" when nothing is sent)
 
     @property
     def accessible(self) -> str:
-        return f"Privacy risk {self.level}. {self.sentence} {self.caption}".strip()
+        return f"Privacy risk {self.level}. {self.sentence} {self.reply} {self.caption}".strip()
 
 
-def describe(n_layers: int | None, k: int, fig: AuditFigure | None) -> PrivacyView:
-    """The panel's words for split ``k``; ``fig`` is the audit figure (ignored when local)."""
+def describe(
+    n_layers: int | None, k: int, fig: AuditFigure | None, reply_top1: float | None = None
+) -> PrivacyView:
+    """The panel's words for split ``k``; ``fig`` is the audit figure (ignored when local),
+    ``reply_top1`` the audit's share of reply words read (None: not measured)."""
     if n_layers is not None and fully_local(n_layers, k):
         return PrivacyView(
             "None", "ok", NONE_SENTENCE, "nothing is sent",
             "No server is used at this setting, so there is nothing to audit.", "", True, False,
         )  # fmt: skip
+    date = fig.date if fig is not None else ""
+    reply = reply_sentence(reply_top1 if date else None, date)
     if fig is None or fig.top1 is None:
         if fig is not None and fig.date:
             caption = f"This setting was not measured in the privacy audit of {fig.date}."
         else:
             caption = "This model has not been audited yet."
         value = "not measured" if fig is not None and fig.date else "not audited yet"
-        return PrivacyView("Unknown", "warn", UNKNOWN_SENTENCE, value, caption, "", False, False)
+        return PrivacyView(
+            "Unknown", "warn", UNKNOWN_SENTENCE, value, caption, "", False, False, reply
+        )
     word, color, sentence = level_for(fig.top1)
     caption = (
         f"The privacy audit of {fig.date} recovered {fig.value} of words at this setting "
         "(worst case of all attacks)."
     )
     tip = f"Worst case over all attacks: {fig.attack}" if fig.attack else ""
-    return PrivacyView(word, color, sentence, fig.value, caption, tip, False, True)
+    return PrivacyView(word, color, sentence, fig.value, caption, tip, False, True, reply)
 
 
 def welcome_text(view: PrivacyView) -> str:
@@ -92,9 +136,9 @@ def welcome_text(view: PrivacyView) -> str:
         "numbers instead of your text."
     )
     if view.level == "Unknown":
-        return f"{how} Those numbers can still reveal your words. {UNKNOWN_SENTENCE}"
+        return f"{how} Those numbers can still reveal your words. {UNKNOWN_SENTENCE} {view.reply}"
     return (
         f"{how} Those numbers can be turned back into words: at the current setting "
-        f"{view.sentence[0].lower()}{view.sentence[1:]} Use a server you trust, or move the "
-        "slider all the way to the right to keep everything here."
+        f"{view.sentence[0].lower()}{view.sentence[1:]} {view.reply} Use a server you trust, "
+        "or move the slider all the way to the right to keep everything here."
     )

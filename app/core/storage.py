@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from app.core.logfile import remember
 from app.core.tasks import Event
 from engine.errors import VeilError
 
@@ -77,6 +78,9 @@ class Message:
     finish_reason: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        remember(self.content)  # never in the log file
+
 
 @dataclass
 class Conversation:
@@ -86,6 +90,9 @@ class Conversation:
     created: float
     updated: float
 
+    def __post_init__(self) -> None:
+        remember(self.title, self.system_prompt)
+
 
 @dataclass
 class Document:
@@ -94,6 +101,9 @@ class Document:
     body: str
     created: float
     updated: float
+
+    def __post_init__(self) -> None:
+        remember(self.title, self.body)
 
 
 class StorageError(VeilError):
@@ -325,6 +335,7 @@ class Store:
 
     @_save("rename the chat", key=lambda conv_id, _: f"the name of chat {conv_id}")
     def rename_conversation(self, conv_id: int, title: str) -> None:
+        remember(title)
         self.db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conv_id))
 
     @_save("save the system prompt", key=lambda conv_id, _: f"the system prompt of chat {conv_id}")
@@ -364,6 +375,7 @@ class Store:
         finish_reason: str | None = None,
         stats: dict[str, Any] | None = None,
     ) -> None:
+        remember(content)
         self.db.execute("UPDATE messages SET content = ? WHERE id = ?", (content, msg_id))
         if finish_reason is not None:
             self.db.execute(
@@ -397,6 +409,7 @@ class Store:
 
     @_strict("create the document")
     def create_document(self, title: str = "Untitled document", body: str = "") -> int:
+        remember(title, body)
         now = time.time()
         cur = self.db.execute(
             "INSERT INTO documents(title, body, created, updated) VALUES(?,?,?,?)",
@@ -416,6 +429,7 @@ class Store:
 
     @_save("save the document", key=lambda doc_id, *_: f"document {doc_id}")
     def save_document(self, doc_id: int, body: str, title: str | None = None) -> None:
+        remember(body, title)
         now = time.time()
         if title is None:
             self.db.execute(
@@ -429,6 +443,7 @@ class Store:
 
     @_save("rename the document", key=lambda doc_id, _: f"the name of document {doc_id}")
     def rename_document(self, doc_id: int, title: str) -> None:
+        remember(title)
         self.db.execute("UPDATE documents SET title = ? WHERE id = ?", (title, doc_id))
 
     @_strict("delete the document")

@@ -18,9 +18,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.core.privacy import setting_words
+
 # (key in the results, column title, column tooltip)
 COLUMNS = (
-    ("k", "Layers here", "Layers kept on this computer at each end (the slider setting)"),
+    ("k", "Layers on this computer", "Of all the model's layers (the slider's setting)"),
     ("attack", "How the server tries", "The attack; its technical name is in its tooltip"),
     ("side", "What it reads", "What the server works on"),
     ("top1", "Words recovered", "Share of words guessed exactly (top-1 token recovery)"),
@@ -87,15 +89,43 @@ def attack_name(key: str) -> tuple[str, str]:
     return text[:1].upper() + text[1:], key
 
 
-def _cell(key: str, row: dict[str, Any]) -> tuple[str, str]:
-    """(text, tooltip) of one cell."""
+REPLY_NOTE = (
+    "Measured on Veil's own replies. On other text it guesses the next word {top1} of the "
+    "time: that is how often the model itself guesses right, not what the server reads of a "
+    "reply."
+)
+
+
+def _range(v: Any) -> str:
+    if isinstance(v, list | tuple) and len(v) == 2:
+        return f"{_pct(v[0])} – {_pct(v[1])}"
+    return "-"
+
+
+def _cell(key: str, row: dict[str, Any], n_layers: int | None = None) -> tuple[str, str]:
+    """(text, tooltip) of one cell. A reply row ("output" side) shows the share of the reply's
+    own words the server reads (what a user needs to know), not the next-word guesses on other
+    text beside it."""
     v = row.get(key)
+    reply = row.get("side") == "output" and "top1_generated" in row
+    if reply and key in ("top1", "top1_ci"):
+        note = REPLY_NOTE.format(top1=_pct(row.get("top1")))
+        if key == "top1":
+            return _pct(row.get("top1_generated")), note
+        return _range(row.get("top1_generated_ci")), note
+    if reply and key in ("top5", "pii_top1"):
+        return "-", f"Measured on other text only: {_pct(v)}"
     if key in ("top1", "top5", "pii_top1"):
         return _pct(v), ""
     if key == "top1_ci":
-        if isinstance(v, list | tuple) and len(v) == 2:
-            return f"{_pct(v[0])} – {_pct(v[1])}", ""
-        return "-", ""
+        return _range(v), ""
+    if key == "k":
+        try:
+            k = int(v)
+        except (TypeError, ValueError):
+            return ("-" if v is None else str(v)), ""
+        words = setting_words(n_layers, k)
+        return words.removesuffix(" on this computer").replace(" layers on this computer", ""), ""
     if key == "attack" and isinstance(v, str):
         return attack_name(v)
     if key == "side" and isinstance(v, str):
@@ -113,6 +143,7 @@ class AuditDialog(QDialog):
         parent: QWidget | None = None,
         fully_local: bool = False,
         shipped: bool = False,
+        n_layers: int | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Privacy audit details")
@@ -124,19 +155,21 @@ class AuditDialog(QDialog):
         title.setObjectName("PaneTitle")
         lay.addWidget(title)
         who = "by the Veil team" if shipped else "on this computer"
+        setting = setting_words(n_layers, current_k)
         if fully_local:
             now = (
-                f"At your current setting ({current_k}) the whole model runs on this computer "
-                "and nothing is sent, so there is nothing to audit; the rows show the settings "
-                "that use a server."
+                f"At your current setting ({setting}) nothing is sent, so there is nothing to "
+                "audit; the rows show the settings that use a server."
             )
         else:
-            now = f"Rows for your current setting ({current_k}) are in bold."
+            now = f"Rows for your current setting ({setting}) are in bold."
         if rows:
             text = (
                 f"Model {model}, audited {who} on {date}. Each row is one way someone who runs "
-                "the server could try to read your text from the numbers this computer sends. "
-                "Hover over a name for the technical details. " + now
+                "the server could try to read your text from the numbers this computer sends "
+                "(“Your text”), or Veil's reply from the numbers it sends back (“The reply”: "
+                "with the public weights it can finish the model's work itself, so it reads "
+                "every word). Hover over a name for the technical details. " + now
             )
         else:
             text = (
@@ -165,7 +198,7 @@ class AuditDialog(QDialog):
             if current:
                 self.bold_rows.append(r)
             for c, (key, _name, _tip) in enumerate(COLUMNS):
-                text, tip = _cell(key, row)
+                text, tip = _cell(key, row, n_layers)
                 item = QTableWidgetItem(text)
                 if tip:
                     item.setToolTip(tip)

@@ -29,7 +29,7 @@ from app.core.long_message import (
     split_message,
 )
 from app.core.settings import PRESETS
-from app.core.storage import Message
+from app.core.storage import Message, write_private_file
 from app.views import export
 from app.views.demo_notice import DemoNotice
 from app.views.elided_label import ElidedLabel
@@ -569,7 +569,7 @@ class ChatView(QWidget):
                 if path.suffix.lower() == ".json"
                 else self.chat.export_markdown(conv_id)
             )
-            path.write_text(body, encoding="utf-8")
+            write_private_file(path, body)  # 0600, as every export
         except OSError as exc:
             self.error.show_error(
                 VeilError(f"cannot save {path}: {exc.strerror}", hint="choose another folder"),

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QPainter, QPaintEvent
 from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
 
 
+def plain_tooltip(text: str) -> str:
+    """A tooltip that shows ``text`` as it is: Qt draws any tooltip that looks like HTML as
+    HTML, so the text goes escaped inside a paragraph of its own."""
+    return f"<p>{html.escape(text)}</p>" if text else ""
+
+
 class ElidedLabel(QLabel):
+    """Plain text only (it is painted as text, never as HTML), also in its tooltip."""
+
     def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
         super().__init__(text, parent)
+        self.setTextFormat(Qt.TextFormat.PlainText)
         self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
 
     def setText(self, text: str) -> None:
         super().setText(text)
-        self.setToolTip(text)
+        self.setToolTip(plain_tooltip(text))
         self.setAccessibleName(text)
 
     def minimumSizeHint(self) -> QSize:

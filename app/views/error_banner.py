@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
+from app.core.plain_text import one_line
 from app.views.theme import set_icon
 from engine.errors import VeilError
 
@@ -31,11 +33,14 @@ class ErrorBanner(QFrame):
         lay.addWidget(self.icon)
         text = QVBoxLayout()
         text.setSpacing(2)
+        # a server's words may reach these: plain text only, never rich text or links
         self.title = QLabel()
         self.title.setWordWrap(True)
+        self.title.setTextFormat(Qt.TextFormat.PlainText)
         self.title.setStyleSheet("font-weight: 700;")
         self.hint = QLabel()
         self.hint.setWordWrap(True)
+        self.hint.setTextFormat(Qt.TextFormat.PlainText)
         text.addWidget(self.title)
         text.addWidget(self.hint)
         lay.addLayout(text, 1)
@@ -109,6 +114,7 @@ class ErrorBanner(QFrame):
             for label in (self.title, self.hint):
                 label.style().unpolish(label)
                 label.style().polish(label)
+        msg, hint = one_line(msg), one_line(hint)
         self.title.setText(msg[:1].upper() + msg[1:])
         self.hint.setText(hint[:1].upper() + hint[1:] if hint else "")
         self.hint.setVisible(bool(hint))

@@ -23,10 +23,15 @@ WORD = ("Word document", ".docx")
 LAST_FOLDER_KEY = "ui.export_dir"
 
 
-def safe_name(name: str) -> str:
-    """A file name from a title: no path separators or characters Windows refuses."""
-    s = re.sub(r'[\\/:*?"<>|\x00-\x1f]+', "-", name).strip(" .-")
-    return s[:80] or "Untitled"
+def safe_name(name: str, limit: int = 80) -> str:
+    """A file name from a title: no path separators or characters Windows refuses, no "…"
+    where the title was cut short (a chat's title is its first message, cut after a word),
+    at most ``limit`` characters, cut after a whole word."""
+    s = " ".join(name.split())
+    s = re.sub(r'[\\/:*?"<>|\x00-\x1f…]+', "-", s)
+    if len(s) > limit:
+        s = s[: limit + 1].rsplit(" ", 1)[0] if " " in s[:limit] else s[:limit]
+    return s.strip(" .,;:-") or "Untitled"
 
 
 def start_folder(store: Any) -> Path:

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.core.invite import invite_problem
+from app.core.invite import advice, invite_problem
 from app.views.demo_notice import DemoNotice
 from app.views.theme import app_icon, set_icon
 
@@ -90,6 +90,7 @@ class FirstRunDialog(QDialog):
         self.invite_error = QLabel()  # shown under the field when the code is damaged
         self.invite_error.setObjectName("FieldError")
         self.invite_error.setWordWrap(True)
+        self.invite_error.setTextFormat(Qt.TextFormat.PlainText)
         self.invite_error.hide()
         self._typed = 0
         self.invite_edit.textChanged.connect(self._invite_changed)
@@ -152,7 +153,7 @@ class FirstRunDialog(QDialog):
 
     def _show_problem(self, problem: str | None) -> None:
         self.invite_error.setText(
-            problem[:1].upper() + problem[1:] + ". Copy the whole code again." if problem else ""
+            f"{problem[:1].upper()}{problem[1:]}. {advice(problem)}" if problem else ""
         )
         self.invite_error.setVisible(bool(problem))
 

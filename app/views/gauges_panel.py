@@ -4,13 +4,15 @@ with the whole model on this computer there is no server, so no round trips and 
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtCore import QPointF, QRectF, Qt, QTimer
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPaintEvent, QPen
 from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.core.controller import AppController
 from app.core.engine_host import CONNECTED, LOCAL, NEEDS_SETUP, OFFLINE, RESTARTING
-from app.core.gauges import MEMORY_NOTE, GaugeState, human_bytes, process_memory_bytes
+from app.core.gauges import MEMORY_NOTE, MEMORY_NOTES, GaugeState, human_bytes, process_memory_bytes
 from app.views.theme import Theme, set_icon
 
 
@@ -132,7 +134,9 @@ class GaugesPanel(QFrame):
     def _tick(self) -> None:
         g = self.app.gauge_state
         if not g.generating:
-            g.memory_bytes, g.memory_label = process_memory_bytes(self.app.settings.device)
+            g.memory_bytes, g.memory_label = process_memory_bytes(
+                self.app.settings.device, self.app.host.helper_pids()
+            )
         self.refresh(g)
 
     def refresh(self, g: GaugeState | None = None) -> None:
@@ -146,6 +150,7 @@ class GaugesPanel(QFrame):
         )
         self.rtt.setText(f"{g.rtt_ms:.1f} ms" if g.rtt_ms is not None and not local else "-")
         self.memory_name.setText(g.memory_label)
+        self.memory_note.setText(MEMORY_NOTES.get(g.memory_label, MEMORY_NOTE))
         self.memory.setAccessibleName(g.memory_label)
         self.memory.setText(human_bytes(g.memory_bytes) if g.memory_bytes else "-")
         state = self.app.host.state
@@ -158,6 +163,6 @@ class GaugesPanel(QFrame):
         text = self.app.connection_text()
         if g.generating:
             text += " · writing"
-        self.connection.setText(f"{dot} {text}")
+        self.connection.setText(f"{dot} {html.escape(text)}")  # rich text: the dot only
         self.connection.setAccessibleDescription(text)
         self.chart.update()

@@ -93,6 +93,9 @@ class PrivacyPanel(QFrame):
         self.sentence = QLabel()
         self.sentence.setWordWrap(True)
         lay.addWidget(self.sentence)
+        self.reply = QLabel()  # what the server reads of the replies, as plainly as the above
+        self.reply.setWordWrap(True)
+        lay.addWidget(self.reply)
         self.audit = _small()  # where the level comes from: the audit's figure, or why none
         self.audit.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         lay.addWidget(self.audit)
@@ -128,8 +131,13 @@ class PrivacyPanel(QFrame):
 
         app.config_loaded.connect(self.setup)
         app.split_changed.connect(lambda k: self.refresh())
-        app.chat.busy_changed.connect(lambda _b: self.refresh())
-        app.drafting.busy_changed.connect(lambda _b: self.refresh())
+        self._sent_k: int | None = None  # the setting the reply being written uses
+        app.chat.busy_changed.connect(self._busy_changed)
+        app.drafting.busy_changed.connect(self._busy_changed)
+
+    def _busy_changed(self, busy: bool) -> None:
+        self._sent_k = self.slider.value() if busy else None
+        self.refresh()
 
     def setup(self) -> None:
         top = self.app.max_k
@@ -157,6 +165,8 @@ class PrivacyPanel(QFrame):
         self.level.setStyleSheet(f"color: {Theme.color(v.color)};")
         self.level.setToolTip(v.tooltip)
         self.sentence.setText(v.sentence)
+        self.reply.setText(v.reply)
+        self.reply.setVisible(bool(v.reply))
         self.audit.setText(v.caption)
         self.audit.setToolTip(v.tooltip)
         self.level.setAccessibleName(v.accessible)
@@ -167,7 +177,9 @@ class PrivacyPanel(QFrame):
             else "Measure on this computer how many words a server could recover"
         )
         applied = self.app.host.applied_k
-        pending = applied is not None and applied != k
+        # a message sent since the change uses it (the note goes), a change made while a reply
+        # is written waits for the next message (the note stays)
+        pending = applied is not None and applied != k and self._sent_k != k
         self.note.setText("New setting: it applies from your next message." if pending else "")
         self.note.setVisible(pending)  # only while a change waits for the next message
         self.view_changed.emit(v)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QButtonGroup,
@@ -24,9 +25,11 @@ from PySide6.QtWidgets import (
 
 from app.core.api_host import api_available
 from app.core.chat import REGENERATE_NOTE
-from app.core.invite import invite_address, invite_problem
+from app.core.invite import advice, invite_address, invite_problem
+from app.core.invite_check import ServerCheck
 from app.core.settings import FONT_SIZES, MODE_DEMO, MODE_SERVER, THEMES, Settings
 from app.views.error_banner import ErrorBanner
+from app.views.invite_checker import Check, InviteChecker
 from app.views.number_field import DecimalField, NumberField, with_note
 from app.views.theme import later, set_icon
 from engine.errors import VeilError
@@ -56,7 +59,9 @@ def key_storage_text() -> str:
 
 
 class SettingsDialog(QDialog):
-    def __init__(self, settings: Settings, parent: QWidget | None = None) -> None:
+    def __init__(
+        self, settings: Settings, parent: QWidget | None = None, check: Check | None = None
+    ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.resize(640, 520)
@@ -95,6 +100,7 @@ class SettingsDialog(QDialog):
         ib.addWidget(self.invite)
         self.invite_status = QLabel()  # checked on paste and on Save, shown under the field
         self.invite_status.setWordWrap(True)
+        self.invite_status.setTextFormat(Qt.TextFormat.PlainText)  # it quotes the invite
         self.invite_status.hide()
         ib.addWidget(self.invite_status)
         form.addRow("Invite code:", invite_box)
@@ -140,13 +146,17 @@ class SettingsDialog(QDialog):
         row = QHBoxLayout()
         self.model = QLineEdit(s.model)
         self.model.setAccessibleName("Model")
-        self.model.setToolTip(f"{DEFAULT_MODEL} (built in), a model folder or a .gguf file")
         browse = QPushButton("Browse…")
         browse.setAccessibleName("Choose a model file")
         browse.clicked.connect(self._browse)
         reset = QPushButton("Built-in")
         reset.setAccessibleName("Use the built-in model")
         reset.clicked.connect(lambda: self.model.setText(DEFAULT_MODEL))
+        # the built-in name fits whole at every text size; a path shows its file name
+        self.model.ensurePolished()  # the theme's text size
+        self.model.setMinimumWidth(self.model.fontMetrics().horizontalAdvance(DEFAULT_MODEL) + 40)
+        self.model.textChanged.connect(self._show_model_name)
+        self._show_model_name(s.model)
         row.addWidget(self.model, 1)
         row.addWidget(browse)
         row.addWidget(reset)
@@ -226,7 +236,12 @@ class SettingsDialog(QDialog):
         buttons.accepted.connect(self._save)
         buttons.rejected.connect(self.reject)
         lay.addWidget(buttons)
+        self.save_button = buttons.button(QDialogButtonBox.StandardButton.Save)
         self.result_settings: Settings | None = None
+        # a new invite is tried before it is saved: a wrong one never replaces a working server
+        self.checker = InviteChecker(check, self)
+        self.checker.finished.connect(self._checked)
+        self._checking: Settings | None = None
 
     def values(self) -> Settings:
         s = copy.copy(self.original)
@@ -265,11 +280,14 @@ class SettingsDialog(QDialog):
             return not self.server_radio.isChecked()
         problem = invite_problem(code)
         if problem is None:
-            label.setObjectName("FieldOk")
-            label.setText(f"✓ Invite code for the server at {invite_address(code)[6:]}")
+            label.setObjectName("FieldNote")
+            label.setText(
+                f"Invite code for the server at {invite_address(code)[6:]}. "
+                "Save checks that the server answers."
+            )
         elif show_error:
             label.setObjectName("FieldError")
-            label.setText(problem[:1].upper() + problem[1:] + ". Copy the whole code again.")
+            label.setText(f"{problem[:1].upper()}{problem[1:]}. {advice(problem)}")
         else:
             label.hide()
             return False
@@ -307,8 +325,54 @@ class SettingsDialog(QDialog):
         except VeilError as exc:
             self.error.show_error(exc)
             return
+        new_server = s.mode == MODE_SERVER and (
+            self.original.mode != MODE_SERVER or s.invite != self.original.invite.strip()
+        )
+        if not new_server:
+            self._finish(s)
+        elif not self.checker.running:
+            self._checking = s
+            self._show_invite_status("FieldNote", "Checking the server…")
+            self.save_button.setEnabled(False)
+            self.checker.start(s.invite)
+
+    def _checked(self, result: ServerCheck) -> None:
+        """The new invite's server answered (save) or not (say why; keep the old server)."""
+        s, self._checking = self._checking, None
+        self.save_button.setEnabled(True)
+        if s is None:
+            return
+        if result.ok:
+            self._show_invite_status("FieldOk", "✓ " + result.message)
+            self._finish(s)
+            return
+        keeps = "Nothing was changed: Veil keeps using the server it had."
+        self._show_invite_status(
+            "FieldError", " ".join(filter(None, (result.message, result.hint, keeps)))
+        )
+        self.tabs.setCurrentIndex(0)
+        self.invite.setFocus()
+
+    def _show_invite_status(self, kind: str, text: str) -> None:
+        label = self.invite_status
+        label.setObjectName(kind)
+        label.setText(text)
+        label.style().unpolish(label)
+        label.style().polish(label)
+        label.show()
+
+    def _finish(self, s: Settings) -> None:
         self.result_settings = s
         self.accept()
+
+    def _show_model_name(self, text: str) -> None:
+        """The part of the model field that names it: the start of a name, the end (the file
+        name) of a path."""
+        if not self.model.hasFocus():
+            self.model.setCursorPosition(len(text) if ("/" in text or "\\" in text) else 0)
+        self.model.setToolTip(
+            f"{text or DEFAULT_MODEL}\n\n{DEFAULT_MODEL} (built in), a model folder or a .gguf file"
+        )
 
     def _browse(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Choose a model", "", "GGUF model (*.gguf)")

@@ -23,13 +23,14 @@ from PySide6.QtWidgets import (
 from app.core.chat import ChatController
 from app.core.documents.controller import DocumentsController
 from app.core.drafting import DraftingController
-from app.views.theme import app_icon, icon, set_icon
+from app.views.theme import app_icon, icon, later, set_icon
 from engine.errors import VeilError
 
 
 class Sidebar(QWidget):
     pane_changed = Signal(str)  # "chat" | "drafting" | "matters"
     settings_requested = Signal()
+    about_requested = Signal()
     export_chat = Signal(int)
     export_document = Signal(int)
     new_requested = Signal()  # + New chat / New document (the window creates it and focuses)
@@ -124,6 +125,8 @@ class Sidebar(QWidget):
             lst.customContextMenuRequested.connect(lambda p, lst=lst: self._menu(lst, p))
             lst.itemActivated.connect(self._activated)
             lst.itemClicked.connect(self._activated)
+            # the highlight always marks the open item: moving it with the keys opens it
+            lst.currentItemChanged.connect(self._moved)
             self.stack.addWidget(lst)
         lay.addWidget(self.stack, 1)
 
@@ -133,6 +136,13 @@ class Sidebar(QWidget):
         self.settings_button.setAccessibleName("Open settings")
         self.settings_button.clicked.connect(self.settings_requested)
         lay.addWidget(self.settings_button)
+        self.about_button = QPushButton("  About Veil")
+        set_icon(self.about_button, "info")
+        self.about_button.setObjectName("NavButton")
+        self.about_button.setAccessibleName("About Veil, the server, and the log (F1)")
+        self.about_button.setToolTip("What Veil and the server do, and where the log is (F1)")
+        self.about_button.clicked.connect(self.about_requested)
+        lay.addWidget(self.about_button)
 
         chat.conversations_changed.connect(self.refresh_chats)
         chat.conversation_opened.connect(lambda _: self.refresh_chats())
@@ -245,7 +255,16 @@ class Sidebar(QWidget):
         self.empty_hint.show()
 
     def _activated(self, item: QListWidgetItem) -> None:
-        item_id = int(item.data(Qt.ItemDataRole.UserRole))
+        self._open(int(item.data(Qt.ItemDataRole.UserRole)))
+
+    def _moved(self, item: QListWidgetItem | None, _old: QListWidgetItem | None) -> None:
+        """The arrow keys moved the highlight: open that item once Qt has finished moving it
+        (opening rebuilds the list)."""
+        if item is not None:
+            item_id = int(item.data(Qt.ItemDataRole.UserRole))
+            later(0, self, lambda: self._open(item_id))
+
+    def _open(self, item_id: int) -> None:
         if self.pane == "matters":
             self.choose_matter(item_id)
         elif self.pane == "chat":
@@ -327,7 +346,11 @@ class Sidebar(QWidget):
     def delete(self, item_id: int, is_chat: bool) -> None:
         what = "chat" if is_chat else "document"
         answer = QMessageBox.question(
-            self, f"Delete {what}", f"Delete this {what}? This cannot be undone."
+            self,
+            f"Delete {what}",
+            f"Delete this {what}? This cannot be undone.",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+            QMessageBox.StandardButton.No,  # Enter never deletes by accident
         )
         if answer != QMessageBox.StandardButton.Yes:
             return

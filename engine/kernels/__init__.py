@@ -32,6 +32,7 @@ import importlib.util
 import logging
 import marshal
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -64,9 +65,26 @@ def _cache_dir() -> str:
     return os.path.join(user_cache_dir("veil", appauthor=False), "numba")
 
 
+def _use_one_cache_dir() -> None:
+    """Point numba's on-disk cache at Veil's folder before numba is first imported.
+
+    numba fixes where a cached function lives when the function is defined, from
+    ``NUMBA_CACHE_DIR`` as numba last read it (at import, and again at each compile once the
+    variable changed). Set only by the first kernel build, as it once was, the same function was
+    cached in one place by a process that started with the variable set (the built-in server
+    child inherits it) and in another (beside its source) by one that did not, so a start
+    whose order of first uses differed compiled the decoder layer again."""
+    os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())
+    numba = sys.modules.get("numba")
+    if numba is not None and not getattr(numba.config, "CACHE_DIR", ""):
+        numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+
+
+_use_one_cache_dir()
+
+
 def _build() -> Callable[..., None]:
     """Compile (or load from numba's on-disk cache) the kernel. Raises on any failure."""
-    os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())
     from engine.kernels._f32_ir import f32_times_weight
 
     kernel: Callable[..., None] = f32_times_weight
@@ -255,7 +273,6 @@ def _helper(name: str, build: Callable[[], Callable[..., None]], fallback: str) 
 
 
 def _build_attention() -> Callable[..., None]:
-    os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())
     from engine.kernels._attention import attend_rows
 
     kernel: Callable[..., None] = attend_rows
@@ -320,7 +337,6 @@ def attention(
 
 
 def _build_topk() -> Callable[..., None]:
-    os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())
     from engine.kernels._topk import top_k_softmax as kernel
 
     g = torch.Generator().manual_seed(0)

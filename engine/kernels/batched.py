@@ -18,7 +18,6 @@ position; if any of that fails, :func:`linear` falls back to ``torch.nn.function
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
@@ -31,10 +30,8 @@ _reason = ""  # why the kernel is unavailable, once a build or check has failed
 
 
 def _build() -> Callable[..., None]:
-    """Compile or load the kernel, then check it; raises on any failure."""
-    from engine.kernels import _cache_dir
-
-    os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())
+    """Compile or load the kernel, then check it; raises on any failure (numba's cache folder
+    is set when :mod:`engine.kernels` is imported)."""
     from engine.kernels._f32_ir import f32_times_weight
 
     kernel: Callable[..., None] = f32_times_weight
