@@ -333,13 +333,10 @@ def load_config(folder: Path) -> ModelConfig:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {path}: {exc}") from exc
     mt = str(raw.get("model_type", "")).lower()
-    from engine.config import SUPPORTED_FAMILIES
+    from engine.config import SUPPORTED_FAMILIES, unsupported_family
 
     if mt not in SUPPORTED_FAMILIES:
-        raise UnsupportedArchitecture(
-            f"model family '{mt or 'unknown'}' is not supported",
-            hint="Veil runs Llama, Mistral and Qwen2 models",
-        )
+        raise unsupported_family(mt)
     # config.json read directly (attribute view of the dict): importing transformers' config
     # machinery costs ~1.5 s, and ModelConfig.from_hf reads both 4.x and 5.x layouts.
     defaults = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}

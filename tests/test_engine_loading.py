@@ -69,7 +69,7 @@ def test_bad_specs_raise_clear_errors(tmp_path: Path) -> None:
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
-    with pytest.raises(UnsupportedArchitecture, match="Llama, Mistral and Qwen2"):
+    with pytest.raises(UnsupportedArchitecture, match="Qwen3, Gemma 2, Gemma 3"):
         load_config(resolve(str(tmp_path)).folder)
 
 
