@@ -33,7 +33,7 @@ from engine import protocol as P
 from engine.config import ModelConfig
 from engine.loading import WeightReader, load_config, resolve, weights_fingerprint
 from engine.model import layer_tensor_names
-from engine.quant.load import client_reader, resolve_quant
+from engine.quant.load import client_reader, fallback_summary, gguf_weights_of, resolve_quant
 from remote.gate import ConnectionGate
 from remote.stages import Stage, load_stages, parse_devices, split_layers
 from remote.worker import Done, Job, TrunkWorker, WorkerOptions
@@ -75,7 +75,7 @@ class ServerOptions:
     max_batch_rows: int = 256
     prefill_chunk: int = 256
     batching: bool = True
-    quant: str = "none"  # trunk matrices on CPU: auto (GGUF kept quantized), none, int8, int4
+    quant: str = "auto"  # trunk matrices on CPU: auto (GGUF kept quantized), none, int8, int4
 
 
 @dataclass
@@ -164,7 +164,26 @@ class TrunkServer:
         cpu_only = all(d.type == "cpu" for d, _, _ in plan)
         quant = resolve_quant(opts.quant, self.resolved) if cpu_only else "none"
         reader = client_reader(self.reader, self.resolved, self.config, quant)
+        gguf = gguf_weights_of(reader)
+        before = len(gguf.fallbacks) if gguf is not None else 0
         self.stages: list[Stage] = load_stages(reader, self.config, plan, self.dtype)
+        self.weight_bytes = sum(w.nbytes() for st in self.stages for w in st.layers.values())
+        if gguf is not None and len(gguf.fallbacks) > before:
+            if not cpu_only:
+                cause = "the quantized kernels run on CPUs only"
+            elif quant == "none":
+                cause = "--quant none (the default, --quant auto, keeps them quantized)"
+            else:
+                cause = "no CPU kernel for these formats"
+            log.warning(fallback_summary(gguf.fallbacks[before:], self.dtype, cause))
+        held = "kept quantized" if quant != "none" else str(self.dtype).removeprefix("torch.")
+        log.info(
+            "trunk weights: %.2f GiB in memory for layers [%d, %d) (%s)",
+            self.weight_bytes / (1 << 30),
+            self.lo,
+            self.hi,
+            held,
+        )
         return TrunkWorker(
             self.config,
             self.stages,
