@@ -84,6 +84,15 @@ class ModelConfig:
         what the one-call quantized layer (``engine.kernels.fused_layer``) computes."""
         return all(getattr(self, k) == v for k, v in _LATER_FIELDS.items())
 
+    def require_plain_layers(self, what: str) -> None:
+        """Refuse, in one line, a tool whose own copy of the layer math is the Llama one."""
+        if not self.plain_layers:
+            name = dict(zip(SUPPORTED_FAMILIES, FAMILY_NAMES, strict=True))[self.family]
+            raise UnsupportedArchitecture(
+                f"{what} does not support {name} models yet",
+                hint="it supports Llama, Mistral and Qwen2 models; chatting works with all",
+            )
+
     def layer_rope(self, index: int) -> str:
         """Which rotary table decoder layer ``index`` uses: "global" or "local"."""
         local = self.local_rope_theta is not None and self.layer_windows[index] is not None

@@ -155,3 +155,33 @@ def test_batched_gemma3_trunk_is_bit_identical(tmp_path: Path) -> None:
     finally:
         h.close()
     same(alone, together)
+
+
+def test_tools_with_their_own_llama_layer_refuse_in_one_line(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """`veil train-draft`'s batched generator and `veil privatize`'s checkpoint writer copy the
+    Llama layer: for the new families they say so instead of computing another model."""
+    from engine.audit.privatize import privatize
+    from engine.drafts.selfgen import BatchModel
+    from engine.loading import resolve
+
+    for fam in NEW:
+        res = resolve(str(tiny_models[fam]))
+        with pytest.raises(UnsupportedArchitecture, match="train-draft does not support"):
+            BatchModel(res, (1, 2, 4))
+        with pytest.raises(UnsupportedArchitecture, match="privatize does not support"):
+            privatize(str(tiny_models[fam]), 1, 1, tmp_path / "p.safetensors")
+    BatchModel(resolve(str(tiny_models["qwen2"])), (1, 2, 4))  # the older families still run
+
+
+def test_audit_replays_the_rows_the_first_layer_sees(tiny_models: dict[str, Path]) -> None:
+    """The audit's attacker feeds candidate tokens through the public layers: for Gemma those
+    are the embedding rows scaled by sqrt(H), as the client computes them."""
+    from engine.audit.collect import AuditModel
+    from engine.loading import resolve
+
+    am = AuditModel(resolve(str(tiny_models["gemma3"])))
+    ids = torch.tensor([3, 7, 11])
+    assert torch.equal(am.embed_weight[ids], am.client.embed(ids))
+    assert not torch.equal(am.embed_weight[ids], am.client.embed_weight[ids])
