@@ -207,6 +207,11 @@ def _convert_gguf(path: Path, out: Path, progress: Progress) -> None:
     tensor is read: an 8B file converts in seconds and takes no disk space)."""
     import transformers
 
+    from engine.quant.gguf import GGUFFile
+
+    # the header and tensor directory first (fast): a damaged file is named in one line here,
+    # not by transformers' reader failing somewhere inside
+    GGUFFile(path).close()
     d, f = str(path.parent), path.name
     try:
         transformers.logging.set_verbosity_error()
@@ -215,9 +220,6 @@ def _convert_gguf(path: Path, out: Path, progress: Progress) -> None:
         progress("converting model (one-time)", 0.2)
         tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
         progress("converting model (one-time)", 0.8)
-        from engine.quant.gguf import GGUFFile
-
-        GGUFFile(path).close()  # the tensor directory must be readable too
     except (UnsupportedArchitecture, ModelLoadError):
         raise
     except Exception as exc:
