@@ -36,6 +36,7 @@ from app.core.engine_host import OFFLINE, RESTARTED, RESTARTING
 from app.core.privacy import PrivacyView, welcome_text
 from app.core.settings import Settings
 from app.core.tasks import Task, TaskContext
+from app.progress import Eta
 from app.views.audit_dialog import AuditDialog
 from app.views.chat_view import ChatView
 from app.views.drafting_pane import DraftingPane
@@ -115,6 +116,7 @@ class MainWindow(QMainWindow):
 
         self.status = QLabel("Starting…")
         self.status.setContentsMargins(10, 2, 0, 2)
+        self._eta = Eta()
         self.progress_bar = QProgressBar()
         self.progress_bar.setRange(0, 100)
         self.progress_bar.setFixedWidth(200)
@@ -179,7 +181,8 @@ class MainWindow(QMainWindow):
         self.app.drafting.stop()
 
     def show_progress(self, stage: str, fraction: float) -> None:
-        self.status.setText(stage[:1].upper() + stage[1:] + "…")
+        left = self._eta.text(stage, fraction)  # long stages (a model's one-time conversion)
+        self.status.setText(stage[:1].upper() + stage[1:] + "…" + left)
         self.progress_bar.show()
         self.progress_bar.setValue(int(max(0.0, min(1.0, fraction)) * 100))
 

@@ -82,6 +82,7 @@ class _Cursor:
         self.buf = buf
         self.pos = 0
         self.path = path
+        self.items = 0  # elements of the arrays skipped (vocabularies, merges)
 
     def damaged(self) -> ModelLoadError:
         return ModelLoadError(
@@ -117,6 +118,7 @@ class _Cursor:
                 raise self.damaged()
             if count <= _SMALL_ARRAY:
                 return [self.value(etype) for _ in range(count)]
+            self.items += count
             if etype in _SCALARS:
                 self.pos += struct.calcsize(_SCALARS[etype]) * count
             elif etype == _STRING:
@@ -155,6 +157,9 @@ class GGUFFile:
         for _ in range(n_kv):
             key = cur.string()
             self.metadata[key] = cur.value(cur.unpack("<I"))
+        # elements of the long metadata arrays: what a reader that parses them one by one
+        # (transformers' conversion) spends its time on
+        self.array_items = cur.items
         raw: list[tuple[str, tuple[int, ...], int, int]] = []
         for _ in range(n_tensors):
             name = cur.string()
