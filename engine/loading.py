@@ -64,6 +64,25 @@ class ResolvedModel:
     source: Path  # the file or folder the weights came from
 
 
+def model_label(resolved: ResolvedModel) -> str:
+    """A model's name to show to others, without where it lives: the embedded model's name, a
+    GGUF file's own ``general.name`` (else its file name), a folder's or repo's name."""
+    if resolved.name in _EMBEDDED:
+        return resolved.name
+    src = Path(resolved.source)
+    if src.suffix.lower() == ".gguf":
+        from engine.quant.gguf import GGUFFile
+
+        try:
+            f = GGUFFile(src)
+            name = str(f.metadata.get("general.name") or "").strip()
+            f.close()
+        except ModelLoadError:
+            name = ""
+        return name or src.name
+    return src.name if src.is_dir() else resolved.name
+
+
 def embedded_gguf(name: str = DEFAULT_MODEL) -> Path:
     """Path of the GGUF shipped inside a wheel, found without importing the package."""
     pkg, fname = _EMBEDDED[name]

@@ -31,7 +31,7 @@ import zmq
 
 from engine import protocol as P
 from engine.config import ModelConfig
-from engine.loading import WeightReader, load_config, resolve, weights_fingerprint
+from engine.loading import WeightReader, load_config, model_label, resolve, weights_fingerprint
 from engine.model import layer_tensor_names
 from engine.quant.load import client_reader, fallback_summary, gguf_weights_of, resolve_quant
 from remote.gate import ConnectionGate
@@ -130,7 +130,8 @@ class TrunkServer:
         self.device = torch.device(opts.device)
         resolved = resolve(opts.model, progress)
         self.resolved = resolved
-        self.model_name = resolved.name
+        self.model_name = resolved.name  # as given (a path): for this machine's logs only
+        self.model_label = model_label(resolved)  # what clients are told
         self.config: ModelConfig = load_config(resolved.folder)
         n = self.config.n_layers
         m = opts.min_local_layers
@@ -220,7 +221,7 @@ class TrunkServer:
         with self.lock:
             n = len([s for s in self.sessions.values() if not s.closed])
         return {
-            "model": self.model_name,
+            "model": self.model_label,
             "config_fp": self.config_fp,
             "hidden_size": self.config.hidden_size,
             "n_layers": self.config.n_layers,
@@ -415,8 +416,8 @@ class TrunkServer:
                 sock,
                 ident,
                 P.E_FINGERPRINT,
-                f"this server runs {self.model_name} (config {self.config_fp}); "
-                f"the client's model has config {m.config_fp}",
+                f"this server serves {self.model_label} (model fingerprint {self.config_fp}); "
+                f"the model chosen on this computer is another one (fingerprint {m.config_fp})",
             )
             return
         if not (self.lo <= m.start < m.end <= self.hi):
@@ -436,7 +437,9 @@ class TrunkServer:
                 sock,
                 ident,
                 P.E_FINGERPRINT,
-                f"the trunk weights of this server's {self.model_name} differ from the client's",
+                f"this server serves {self.model_label} (model fingerprint {self.config_fp}), "
+                "but its trunk weights differ from those of the model chosen on this computer "
+                "(another file or version of it)",
             )
             return
         if not self._make_room_for(sock, ident, user):

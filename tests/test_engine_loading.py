@@ -271,3 +271,19 @@ def test_cli_generate_with_private_weights(tiny_llama: Path, tmp_path: Path) -> 
     assert json.loads(priv.stdout)["token_ids"] == ref["token_ids"] != public["token_ids"]
     missing = veil(*common, "--model", str(tiny_llama), "--private-weights", str(tmp_path / "x"))
     assert_one_line_error(missing, "not found")
+
+
+def test_model_label_never_names_a_path(tmp_path: Path, default_model_folder: Path) -> None:
+    """What a server tells its clients about its model: a name, not where the file lives."""
+    from engine.loading import ResolvedModel, model_label
+
+    assert model_label(resolve(DEFAULT_MODEL)) == DEFAULT_MODEL
+    gguf = embedded_gguf()
+    assert (
+        model_label(ResolvedModel(str(gguf), default_model_folder, gguf))
+        == "Smollm2 135M 8k Lc100K Mix1 Ep2"
+    )
+    nameless = tmp_path / "copy.gguf"
+    nameless.write_bytes(b"GGUF" + bytes(60))  # no readable header: the file's name
+    assert model_label(ResolvedModel(str(nameless), tmp_path, nameless)) == "copy.gguf"
+    assert model_label(ResolvedModel(str(tmp_path), tmp_path, tmp_path)) == tmp_path.name
