@@ -19,8 +19,8 @@ import zmq
 
 from engine import protocol as P
 from engine.errors import AuthError, FingerprintMismatch, ServerBusy, SplitError, TransportError
-from engine.loading import load_config
 from engine.generate import available_decoders, generate
+from engine.loading import load_config
 from engine.local_server import LocalTrunkServer, start_local_trunk
 from engine.sampling import SamplingParams
 from engine.split import ClientModel, LocalTrunk, SplitRunner, load_client, load_trunk
