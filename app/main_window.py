@@ -36,6 +36,7 @@ from app.core.paths import data_dir
 from app.core.privacy import PrivacyView, welcome_text
 from app.core.settings import Settings
 from app.core.tasks import Task
+from app.progress import Eta
 from app.views.about_dialog import AboutDialog
 from app.views.audit_flow import AuditFlow
 from app.views.chat_view import ChatView
@@ -101,6 +102,7 @@ class MainWindow(QMainWindow):
 
         self.status = ElidedLabel("Starting…")  # plain text: it may quote a server
         self.status.setContentsMargins(10, 2, 0, 2)
+        self._eta = Eta()
         self.progress_bar = QProgressBar()
         self.progress_bar.setRange(0, 100)
         self.progress_bar.setFixedWidth(200)
@@ -223,7 +225,8 @@ class MainWindow(QMainWindow):
     def show_progress(self, stage: str, fraction: float) -> None:
         """The step in words, and a bar with its real progress where the step reports some,
         else a busy indicator (a step that only says when it starts and ends looked stuck)."""
-        self.status.setText(stage[:1].upper() + stage[1:] + "…")
+        left = self._eta.text(stage, fraction)  # long stages (a model's one-time conversion)
+        self.status.setText(stage[:1].upper() + stage[1:] + "…" + left)
         self.progress_bar.show()
         measured = 0.0 < fraction < 1.0
         self.progress_bar.setRange(0, 100 if measured else 0)  # (0, 0): busy, moves by itself

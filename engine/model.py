@@ -1,4 +1,6 @@
-"""Veil's transformer math: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP,
+"""Veil's transformer math: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP
+(and the variations of the families :class:`engine.config.ModelConfig` describes: q/k norms,
+Gemma's sandwich norms, GELU gate, query scale, soft-capping, local and global rotary bases),
 a KV cache that owns preallocated buffers, and a `LayerStack` that runs a contiguous range of
 decoder layers over a *block* of tokens described by explicit positions and tree parents.
 
@@ -44,12 +46,25 @@ LAYER_TENSORS = (
     "mlp.down_proj.weight",
 )
 BIAS_TENSORS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+QK_NORM_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+# Gemma: post_attention_layernorm norms the attention output; the MLP input has its own norm.
+SANDWICH_TENSORS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
 
 
 def layer_tensor_names(config: ModelConfig, index: int) -> list[str]:
     """Checkpoint names of the tensors decoder layer ``index`` needs."""
     names = list(LAYER_TENSORS) + (list(BIAS_TENSORS) if config.attn_bias else [])
+    names += list(QK_NORM_TENSORS) if config.qk_norm else []
+    names += list(SANDWICH_TENSORS) if config.sandwich_norms else []
     return [f"model.layers.{index}.{n}" for n in names]
+
+
+def norm_vector(t: torch.Tensor, config: ModelConfig | None) -> torch.Tensor:
+    """A stored norm weight as the math multiplies by it: Gemma stores ``w`` for ``1 + w``
+    (added in float32, as transformers computes it)."""
+    if config is not None and config.norm_plus_one:
+        return (t.float() + 1.0).to(t.dtype)
+    return t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,12 +74,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [hd/2] incl. linear and Llama-3 scaling."""
+def rope_inv_freq(config: ModelConfig, kind: str = "global") -> torch.Tensor:
+    """Inverse frequencies [hd/2] incl. linear and Llama-3 scaling; ``kind`` "local": the
+    sliding-window layers' own base, unscaled (:meth:`ModelConfig.layer_rope`)."""
     hd = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    local = kind == "local" and config.local_rope_theta is not None
+    theta = config.local_rope_theta if local and config.local_rope_theta else config.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     rs = config.rope_scaling or {}
-    rtype = config.rope_type
+    rtype = "default" if local else config.rope_type
     if rtype == "linear":
         inv = inv / float(rs["factor"])
     elif rtype == "llama3":
@@ -247,12 +265,20 @@ class LayerWeights:
     wgu: Weight  # [2 I, H]
     wdown: Weight  # [H, I]
     bqkv: torch.Tensor | None = None  # [(nh + 2 nkv) hd]
+    q_norm: torch.Tensor | None = None  # [hd] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [hd]
+    post_attn_norm: torch.Tensor | None = None  # [H] (Gemma: on the attention output)
+    post_mlp_norm: torch.Tensor | None = None  # [H] (Gemma: on the MLP output)
 
     @classmethod
     def from_tensors(
-        cls, tensors: Mapping[str, torch.Tensor | QuantWeight], index: int
+        cls,
+        tensors: Mapping[str, torch.Tensor | QuantWeight],
+        index: int,
+        config: ModelConfig | None = None,
     ) -> LayerWeights:
-        """Pick layer ``index`` out of a name -> tensor map with checkpoint names."""
+        """Pick layer ``index`` out of a name -> tensor map with checkpoint names (``config``
+        says how the family's norm weights are stored; None: as they are used)."""
         p = f"model.layers.{index}."
         t = {k[len(p) :]: v for k, v in tensors.items() if k.startswith(p)}
         qkv = fuse(
@@ -269,14 +295,24 @@ class LayerWeights:
                 [_vector(t[f"self_attn.{n}_proj.bias"]) for n in "qkv"]
             )  # [(nh + 2 nkv) hd]
         wo, wdown = t["self_attn.o_proj.weight"], t["mlp.down_proj.weight"]
+
+        def norm(name: str) -> torch.Tensor | None:
+            return norm_vector(_vector(t[name]), config) if name in t else None
+
+        sandwich = "pre_feedforward_layernorm.weight" in t
+        ln2 = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
         return cls(
-            ln1=_vector(t["input_layernorm.weight"]),
+            ln1=norm_vector(_vector(t["input_layernorm.weight"]), config),
             wqkv=qkv,
             wo=wo.contiguous() if isinstance(wo, torch.Tensor) else wo,
-            ln2=_vector(t["post_attention_layernorm.weight"]),
+            ln2=norm_vector(_vector(t[f"{ln2}.weight"]), config),
             wgu=gu,
             wdown=wdown.contiguous() if isinstance(wdown, torch.Tensor) else wdown,
             bqkv=bias,
+            q_norm=norm("self_attn.q_norm.weight"),
+            k_norm=norm("self_attn.k_norm.weight"),
+            post_attn_norm=norm("post_attention_layernorm.weight") if sandwich else None,
+            post_mlp_norm=norm("post_feedforward_layernorm.weight"),
         )
 
     def nbytes(self) -> int:
@@ -285,9 +321,11 @@ class LayerWeights:
 
 def fused_args(w: LayerWeights, cfg: ModelConfig) -> tuple[Any, ...] | None:
     """Arguments of the one-call quantized layer (engine.kernels.fused_layer), or None when a
-    matrix is not a single quantized format (float, or a Stacked of several formats)."""
+    matrix is not a single quantized format (float, or a Stacked of several formats) or the
+    family's layer is not the Llama one it computes (then the layer runs piece by piece, each
+    product still through the quantized kernels)."""
     mats = (w.wqkv, w.wo, w.wgu, w.wdown)
-    if not all(isinstance(m, QuantWeight) for m in mats):
+    if not all(isinstance(m, QuantWeight) for m in mats) or not cfg.plain_layers:
         return None
     from engine.kernels._ir import CODES
 
@@ -334,6 +372,9 @@ def qkv_heads(
     q = qkv[:, : nh * hd].view(n, nh, hd).transpose(0, 1)  # [nh, B, hd]
     k = qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd).transpose(0, 1)  # [nkv, B, hd]
     v = qkv[:, (nh + nkv) * hd :].view(n, nkv, hd).transpose(0, 1)  # [nkv, B, hd]
+    if w.q_norm is not None and w.k_norm is not None:  # per head, before the rotary embedding
+        q = rms_norm(q, w.q_norm, cfg.rms_eps)
+        k = rms_norm(k, w.k_norm, cfg.rms_eps)
     return q, k, v
 
 
@@ -345,31 +386,61 @@ def attend(
     layer: int,
     start: int,
     mask: torch.Tensor | None,
+    cfg: ModelConfig | None = None,
 ) -> torch.Tensor:
     """One session's attention: writes the rows' K/V (rope applied) into cache slots
-    [start, start + B) of ``layer`` and attends to slots [0, start + B) under ``mask``.
+    [start, start + B) of ``layer`` and attends to slots [0, start + B) under ``mask`` (with
+    ``cfg``'s query scale and score soft-capping, where it sets them).
 
     q: [nh, B, hd]; k, v: [nkv, B, hd] -> [B, nh hd]."""
     nh, n, hd = q.shape
     end = start + n
     cache.k[layer, :, start:end] = k
     cache.v[layer, :, start:end] = v
+    scale = cfg.query_scale if cfg is not None else None
+    softcap = cfg.attn_softcap if cfg is not None else None
     # CPU float32: each row walks only the keys it may see, so a row verified in a tree block
     # gets the bits of the same row decoded alone (torch's SDPA rounds differently with masked
     # keys present); elsewhere SDPA.
-    att = kernels.attention(q, cache.k[layer], cache.v[layer], end, mask)  # [B, nh hd]
+    att = kernels.attention(
+        q, cache.k[layer], cache.v[layer], end, mask, scale=scale, softcap=softcap
+    )  # [B, nh hd]
     if att is not None:
         return att
     keys = cache.k[layer, :, :end]  # [nkv, T, hd]
     vals = cache.v[layer, :, :end]  # [nkv, T, hd]
+    if softcap is not None:
+        return _capped_attention(q, keys, vals, mask, scale or hd**-0.5, softcap)
     sdpa = F.scaled_dot_product_attention(
         q.unsqueeze(0),
         keys.unsqueeze(0),
         vals.unsqueeze(0),
         attn_mask=mask,
         enable_gqa=nh != keys.shape[0],
+        scale=scale,
     )  # [1, nh, B, hd]
     return sdpa[0].transpose(0, 1).reshape(n, nh * hd)  # [B, nh hd]
+
+
+def _capped_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with soft-capped scores (transformers' eager order: scale, cap, mask, softmax)
+    where the compiled kernel does not run: q [nh, B, hd], keys/vals [nkv, T, hd] -> [B, nh hd]."""
+    nh, n, hd = q.shape
+    group = nh // keys.shape[0]
+    k = keys.repeat_interleave(group, dim=0)  # [nh, T, hd]
+    v = vals.repeat_interleave(group, dim=0)
+    scores = torch.tanh((q @ k.transpose(1, 2)) * scale / softcap) * softcap  # [nh, B, T]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    att = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v  # [nh, B, hd]
+    return att.transpose(0, 1).reshape(n, nh * hd)
 
 
 def out_and_mlp(
@@ -380,11 +451,19 @@ def out_and_mlp(
     *,
     invariant: bool = False,
 ) -> torch.Tensor:
-    """Output projection, residual, post-attention norm and SwiGLU MLP: [B, H] -> [B, H]."""
-    x = x + linear(att, w.wo, invariant=invariant)  # [B, H]
+    """Output projection, residual, post-attention norm and gated MLP (SiLU, or Gemma's GELU
+    with its norms on both outputs): [B, H] -> [B, H]."""
+    o = linear(att, w.wo, invariant=invariant)  # [B, H]
+    if w.post_attn_norm is not None:
+        o = rms_norm(o, w.post_attn_norm, cfg.rms_eps)
+    x = x + o
     h = rms_norm(x, w.ln2, cfg.rms_eps)
     gate, up = linear(h, w.wgu, invariant=invariant).chunk(2, dim=-1)  # [B, I] each
-    return x + linear(F.silu(gate) * up, w.wdown, invariant=invariant)  # [B, H]
+    act = F.gelu(gate, approximate="tanh") if cfg.mlp_act == "gelu_tanh" else F.silu(gate)
+    m = linear(act * up, w.wdown, invariant=invariant)  # [B, H]
+    if w.post_mlp_norm is not None:
+        m = rms_norm(m, w.post_mlp_norm, cfg.rms_eps)
+    return x + m
 
 
 def decoder_layer(
@@ -403,7 +482,8 @@ def decoder_layer(
     (The batching worker runs the same three pieces with the projections over many sessions'
     rows at once: :mod:`engine.ragged`.)"""
     q, k, v = qkv_heads(x, w, cfg)
-    att = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cache, layer, start, mask)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    att = attend(q, k, v, cache, layer, start, mask, cfg)
     return out_and_mlp(x, att, w, cfg)
 
 
@@ -430,7 +510,10 @@ class LayerStack:
         self.layers = list(layers)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.inv_freq = rope_inv_freq(config).to(self.device)
+        self.inv_freq = rope_inv_freq(config).to(self.device)  # the global layers'
+        # the rotary table of each layer ("global" / "local": Gemma 3's sliding-window layers)
+        self.ropes = [config.layer_rope(start + i) for i in range(len(self.layers))]
+        self.inv_freqs = {r: rope_inv_freq(config, r).to(self.device) for r in set(self.ropes)}
         self.windows = [config.layer_windows[start + i] for i in range(len(self.layers))]
         self.cache = KVCache(
             len(self.layers), config.n_kv_heads, config.head_dim, capacity, dtype, device
@@ -467,13 +550,14 @@ class LayerStack:
         positions = positions.to(self.device)
         start = self.cache.append_block(positions)
         cache_pos = self.cache.pos[: self.cache.length]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [B, hd]
+        ropes = {r: rope_cos_sin(f, positions, self.dtype) for r, f in self.inv_freqs.items()}
         masks: dict[int | None, torch.Tensor | None] = {}
         fused = self._fused
         if fused is not None:
             x = x.contiguous().clone()  # updated in place layer after layer
         for i, w in enumerate(self.layers):
             win = self.windows[i]
+            cos, sin = ropes[self.ropes[i]]  # [B, hd]
             if win not in masks:
                 masks[win] = block_mask(positions, parents, cache_pos, start, win)
             if fused is not None:

@@ -97,7 +97,8 @@ def forward_parts(parts: Sequence[Part], *, invariant: bool = True) -> list[torc
         bounds.append(bounds[-1] + p.rows)
     x = parts[0].hidden if len(parts) == 1 else torch.cat([p.hidden for p in parts])  # [R, H]
     pos = torch.cat([p.positions for p in parts])  # [R]
-    cos, sin = rope_cos_sin(parts[0].stack.inv_freq, pos, dtype)  # [R, hd]
+    freqs = {r: f for p in parts for r, f in p.stack.inv_freqs.items()}  # global / local
+    ropes = {r: rope_cos_sin(f, pos, dtype) for r, f in freqs.items()}  # [R, hd] each
     lo = min(p.stack.start for p in parts)
     hi = max(p.stack.end for p in parts)
     for layer in range(lo, hi):
@@ -105,6 +106,7 @@ def forward_parts(parts: Sequence[Part], *, invariant: bool = True) -> list[torc
         if not active:
             continue
         w = parts[active[0]].stack.layers[layer - parts[active[0]].stack.start]
+        cos, sin = ropes[cfg.layer_rope(layer)]  # [R, hd]
         if len(active) == len(parts):
             rows: torch.Tensor | None = None  # every row takes part
             xa, ca, sa = x, cos, sin
@@ -124,7 +126,7 @@ def forward_parts(parts: Sequence[Part], *, invariant: bool = True) -> list[torc
             # queries as a contiguous copy: the same layout alone or in any batch (k and v are
             # copied into the session's cache, which is what SDPA reads)
             qs = q[:, a:b].contiguous()
-            atts.append(attend(qs, k[:, a:b], v[:, a:b], p.stack.cache, i, p.slot, mask))
+            atts.append(attend(qs, k[:, a:b], v[:, a:b], p.stack.cache, i, p.slot, mask, cfg))
             a = b
         att = atts[0] if len(atts) == 1 else torch.cat(atts)  # [R', nh hd]
         out = out_and_mlp(xa, att, w, cfg, invariant=invariant)  # [R', H]

@@ -32,7 +32,14 @@ from engine.loading import (
     resolve,
     weights_fingerprint,
 )
-from engine.model import LayerStack, LayerWeights, Weight, layer_tensor_names, rms_norm
+from engine.model import (
+    LayerStack,
+    LayerWeights,
+    Weight,
+    layer_tensor_names,
+    norm_vector,
+    rms_norm,
+)
 from engine.quant import QuantWeight, weight_bytes
 from engine.quant.load import client_reader, resolve_quant
 
@@ -129,7 +136,7 @@ def read_layers(
     out: dict[int, LayerWeights] = {}
     for i in indices:
         tensors = reader.read(layer_tensor_names(config, i), dtype=dtype, device=device)
-        out[i] = LayerWeights.from_tensors(tensors, i)
+        out[i] = LayerWeights.from_tensors(tensors, i, config)
     return out
 
 
@@ -146,10 +153,12 @@ def load_trunk(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     progress: Progress | None = None,
-    quant: str = "none",
+    quant: str = "auto",
 ) -> LocalTrunk:
     """Build a trunk for layers [start, end) from those layers' tensors alone. ``quant`` (as
-    ``--client-quant``: auto, none, int8, int4) keeps the trunk's matrices quantized (CPU)."""
+    ``--client-quant`` and ``veil-trunk serve --quant``: auto, none, int8, int4) is what the
+    trunk's matrices are held as on a CPU; ``auto`` (the default) keeps a GGUF file's own
+    quantized blocks, as the trunk server does."""
     resolved = spec if isinstance(spec, ResolvedModel) else resolve(spec, progress)
     config = load_config(resolved.folder)
     if not 0 <= start < end <= config.n_layers:
@@ -205,7 +214,9 @@ class ClientModel:
         if not tied:
             names.append("lm_head.weight")
         t = self.weights.read(names, dtype=dtype, device=device)
-        self.norm_weight: torch.Tensor = t["model.norm.weight"]  # type: ignore[assignment]  # [H]
+        norm = t["model.norm.weight"]
+        assert isinstance(norm, torch.Tensor)
+        self.norm_weight: torch.Tensor = norm_vector(norm, cfg)  # [H], as multiplied
         # The LM head is [V, H], like the embedding; a tied model shares one buffer.
         self.embed_weight: Weight = _contiguous(t["model.embed_tokens.weight"])  # [V, H]
         if tied:
@@ -283,12 +294,18 @@ class ClientModel:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_weight, QuantWeight):
-            return self.embed_weight.rows(ids).to(device=self.device, dtype=self.dtype)  # [B, H]
-        return F.embedding(ids.to(self.device), self.embed_weight)  # type: ignore[arg-type]
+            x = self.embed_weight.rows(ids).to(device=self.device, dtype=self.dtype)  # [B, H]
+        else:
+            x = F.embedding(ids.to(self.device), self.embed_weight)  # [B, H]
+        if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to the weights' dtype
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.norm_weight, self.config.rms_eps)  # [B, H]
-        return linear(h, self.lm_head).float()  # [B, V]
+        out = linear(h, self.lm_head).float()  # [B, V]
+        cap = self.config.final_softcap
+        return out if cap is None else torch.tanh(out / cap) * cap
 
 
 @dataclass

@@ -216,10 +216,12 @@ def build_parser() -> Parser:
     )
     s.add_argument(
         "--quant",
-        default="none",
+        default="auto",
         choices=("auto", "none", "int8", "int4"),
-        help="keep the trunk's weights quantized on a CPU trunk: auto (a GGUF model's own "
-        "blocks), int8 (per channel) or int4 (groups of 32); none (default) computes in float",
+        help="the trunk's weights on a CPU trunk: auto (default: a GGUF model's own quantized "
+        "blocks, a float checkpoint stays float), int8 (per channel) or int4 (groups of 32) of "
+        "a float checkpoint, or none (dequantize everything to --dtype: about 4x the memory of "
+        "a 4-bit file)",
     )
     s.add_argument(
         "--insecure",

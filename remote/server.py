@@ -31,9 +31,9 @@ import zmq
 
 from engine import protocol as P
 from engine.config import ModelConfig
-from engine.loading import WeightReader, load_config, resolve, weights_fingerprint
+from engine.loading import WeightReader, load_config, model_label, resolve, weights_fingerprint
 from engine.model import layer_tensor_names
-from engine.quant.load import client_reader, resolve_quant
+from engine.quant.load import client_reader, fallback_summary, gguf_weights_of, resolve_quant
 from remote.gate import ZAP_DOMAIN, ConnectionGate, ZapHandler
 from remote.limits import ClientLimits, with_admin
 from remote.netguard import HANDSHAKE_S, ConnectionGuard
@@ -77,7 +77,7 @@ class ServerOptions:
     max_batch_rows: int = 256
     prefill_chunk: int | None = None  # None: 256 rows on a GPU, 32 on a CPU
     batching: bool = True
-    quant: str = "none"  # trunk matrices on CPU: auto (GGUF kept quantized), none, int8, int4
+    quant: str = "auto"  # trunk matrices on CPU: auto (GGUF kept quantized), none, int8, int4
     silent_s: float = 10.0  # a session with steps in flight whose client said nothing this long
 
 
@@ -139,7 +139,8 @@ class TrunkServer:
         self.device = torch.device(opts.device)
         resolved = resolve(opts.model, progress)
         self.resolved = resolved
-        self.model_name = resolved.name
+        self.model_name = resolved.name  # as given (a path): for this machine's logs only
+        self.model_label = model_label(resolved)  # what clients are told
         self.config: ModelConfig = load_config(resolved.folder)
         n = self.config.n_layers
         m = opts.min_local_layers
@@ -175,7 +176,26 @@ class TrunkServer:
         cpu_only = all(d.type == "cpu" for d, _, _ in plan)
         quant = resolve_quant(opts.quant, self.resolved) if cpu_only else "none"
         reader = client_reader(self.reader, self.resolved, self.config, quant)
+        gguf = gguf_weights_of(reader)
+        before = len(gguf.fallbacks) if gguf is not None else 0
         self.stages: list[Stage] = load_stages(reader, self.config, plan, self.dtype)
+        self.weight_bytes = sum(w.nbytes() for st in self.stages for w in st.layers.values())
+        if gguf is not None and len(gguf.fallbacks) > before:
+            if not cpu_only:
+                cause = "the quantized kernels run on CPUs only"
+            elif quant == "none":
+                cause = "--quant none (the default, --quant auto, keeps them quantized)"
+            else:
+                cause = "no CPU kernel for these formats"
+            log.warning(fallback_summary(gguf.fallbacks[before:], self.dtype, cause))
+        held = "kept quantized" if quant != "none" else str(self.dtype).removeprefix("torch.")
+        log.info(
+            "trunk weights: %.2f GiB in memory for layers [%d, %d) (%s)",
+            self.weight_bytes / (1 << 30),
+            self.lo,
+            self.hi,
+            held,
+        )
         return TrunkWorker(
             self.config,
             self.stages,
@@ -214,7 +234,7 @@ class TrunkServer:
             live = [s for s in self.sessions.values() if not s.closed]
             n = len([s for s in live if owner is None or s.client == owner])
         return {
-            "model": self.model_name,
+            "model": self.model_label,
             "config_fp": self.config_fp,
             "hidden_size": self.config.hidden_size,
             "n_layers": self.config.n_layers,
@@ -439,8 +459,8 @@ class TrunkServer:
                 sock,
                 ident,
                 P.E_FINGERPRINT,
-                f"this server runs {self.model_name} (config {self.config_fp}); "
-                f"the client's model has config {m.config_fp}",
+                f"this server serves {self.model_label} (model fingerprint {self.config_fp}); "
+                f"the model chosen on this computer is another one (fingerprint {m.config_fp})",
             )
             return
         if not (self.lo <= m.start < m.end <= self.hi):
@@ -460,7 +480,9 @@ class TrunkServer:
                 sock,
                 ident,
                 P.E_FINGERPRINT,
-                f"the trunk weights of this server's {self.model_name} differ from the client's",
+                f"this server serves {self.model_label} (model fingerprint {self.config_fp}), "
+                "but its trunk weights differ from those of the model chosen on this computer "
+                "(another file or version of it)",
             )
             return
         if not self._make_room_for(sock, ident, user):

@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 
+from engine import kernels
 from engine import protocol as P
 from engine.config import ModelConfig
 from engine.kernels import batched as batched_kernel
 from engine.model import LayerStack
+from engine.quant import QuantWeight
 from engine.ragged import Part, forward_parts, make_part, open_block
 from remote.counters import WorkerCounters
 from remote.scheduler import Ready, Shares, chunk_rows, plan_batch
@@ -167,13 +169,17 @@ class TrunkWorker:
         # The pre-batching server ran the engine's usual kernels; batches need the invariant one.
         self.invariant = options.batching
         cpu32 = dtype == torch.float32 and any(s.device.type == "cpu" for s in self.stages)
+        quantized = _quantized(self.stages)
         if cpu32:
-            _warm_kernels()
+            _warm_kernels(quantized)
         self.bit_identical = (
             options.batching
             and cpu32
             and all(s.device.type == "cpu" for s in self.stages)
             and batched_kernel.available()
+            # quantized matrices: their kernels compute each row alone (tile decoding + BLAS,
+            # where numba is missing, does not)
+            and (not quantized or kernels.quant_available())
         )
         self._sessions: dict[str, SessionState] = {}
         self._orphans: list[SessionState] = []  # closed, maybe with jobs still to answer
@@ -528,18 +534,31 @@ class TrunkWorker:
                 log.exception("on_done failed")
 
 
-def _warm_kernels() -> None:
+def _quantized(stages: Sequence[Stage]) -> list[QuantWeight]:
+    """One quantized matrix per format the stages hold (none: float weights)."""
+    seen: dict[str, QuantWeight] = {}
+    for st in stages:
+        for w in st.layers.values():
+            for m in (w.wqkv, w.wo, w.wgu, w.wdown):
+                for part in getattr(m, "parts", [m]):
+                    if isinstance(part, QuantWeight):
+                        seen.setdefault(part.fmt, part)
+    return list(seen.values())
+
+
+def _warm_kernels(quantized: Sequence[QuantWeight] = ()) -> None:
     """Compile the matrix kernels and start numba's thread pool from the constructing thread.
 
     Measured on our 2-core machines: when numba's first parallel launch happens on the worker
     thread (the pre-batching server did that), every later kernel call there stalls for
     milliseconds (a 4-row step of the tiny test model: ~250 ms instead of ~4); launched from the
-    main thread first, it does not."""
-    from engine import kernels
-
+    main thread first, it does not. Quantized weights: one row through each format's product,
+    so its first-use compile happens at start, not inside a client's first step."""
     if kernels.available():
         kernels.linear(torch.zeros(4, 8), torch.zeros(8, 8))
     batched_kernel.available()
+    for w in quantized:
+        kernels.linear(torch.zeros(1, w.k), w)
 
 
 class _StepError(Exception):

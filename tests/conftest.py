@@ -26,12 +26,14 @@ def _isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """family -> folder of a saved tiny model (4 layers)."""
+    """family -> folder of a saved tiny model (4 layers; Gemma: sliding layers 0, 2, 3)."""
     from tests.tiny import make_model
 
     root = tmp_path_factory.mktemp("tiny")
     out = {}
-    for seed, fam in enumerate(("llama", "llama3", "mistral", "qwen2")):
+    for seed, fam in enumerate(
+        ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma2")
+    ):
         make_model(root / fam, fam, seed=seed)
         out[fam] = root / fam
     return out

@@ -35,18 +35,28 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return f
 
 
-def stages_of(folder: Path, counts: list[int] | None = None) -> tuple[ModelConfig, list[Stage]]:
+def stages_of(
+    folder: Path, counts: list[int] | None = None, reader: object = None
+) -> tuple[ModelConfig, list[Stage]]:
     cfg = load_config(folder)
     devices = [CPU] * (len(counts) if counts else 1)
     plan = split_layers(1, cfg.n_layers - 1, devices, counts)
-    return cfg, load_stages(WeightReader(folder), cfg, plan, torch.float32)
+    return cfg, load_stages(reader or WeightReader(folder), cfg, plan, torch.float32)  # type: ignore[arg-type]
 
 
 class Harness:
-    """A started worker and the answers it gave, keyed by (session, step)."""
+    """A started worker and the answers it gave, keyed by (session, step); ``reader``: where
+    the weights come from (default: the folder's float checkpoint)."""
 
-    def __init__(self, folder: Path, counts: list[int] | None = None, **opts: object) -> None:
-        self.cfg, stages = stages_of(folder, counts)
+    def __init__(
+        self,
+        folder: Path,
+        counts: list[int] | None = None,
+        reader: object = None,
+        **opts: object,
+    ) -> None:
+        self.cfg, stages = stages_of(folder, counts, reader)
+        self.stages = stages
         self.answers: dict[tuple[str, int], Done] = {}
         self.cv = threading.Condition()
         self.worker = TrunkWorker(

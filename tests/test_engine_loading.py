@@ -69,7 +69,7 @@ def test_bad_specs_raise_clear_errors(tmp_path: Path) -> None:
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
-    with pytest.raises(UnsupportedArchitecture, match="Llama, Mistral and Qwen2"):
+    with pytest.raises(UnsupportedArchitecture, match="Qwen3, Gemma 2, Gemma 3"):
         load_config(resolve(str(tmp_path)).folder)
 
 
@@ -82,6 +82,57 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monke
     # Nothing half-converted is left behind to be mistaken for a good cache entry.
     models = tmp_path / "cache" / "models"
     assert not any(p.name[0] != "." for p in models.iterdir()) if models.exists() else True
+
+
+def test_truncated_gguf_names_the_tensor_and_sizes(tmp_path: Path) -> None:
+    """A copy of the default GGUF cut in half: one line naming a tensor the cut falls in, its
+    end and the file's size (it was numpy's "cannot reshape array" from inside transformers)."""
+    data = embedded_gguf().read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    proc = veil(
+        "generate",
+        "--prompt",
+        "hi",
+        "--model",
+        str(cut),
+        env={"VEIL_CACHE_DIR": str(tmp_path / "c")},
+    )
+    assert_one_line_error(proc, "damaged or incomplete")
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "tensor blk." in line and f"the file has {len(data) // 2:,} bytes" in line
+    assert f"expected at least {len(data):,}" in line and "reshape" not in line
+
+
+def test_corrupted_gguf_header_fields_are_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Damaged structural fields of the default GGUF's header (version, counts, an array's
+    length, a tensor's type and offset) each give one clear error, never a hang or a raw
+    struct/numpy error."""
+    import struct
+
+    monkeypatch.setenv("VEIL_CACHE_DIR", str(tmp_path / "cache"))
+    data = embedded_gguf().read_bytes()
+    tokens = data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens")
+    name = b"token_embd.weight"
+    info = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)  # its tensor info
+    n_dims = struct.unpack_from("<I", data, info)[0]
+    type_at = info + 4 + 8 * n_dims
+    huge = struct.pack("<Q", 1 << 60)
+    cases = [
+        (4, struct.pack("<I", 99), "unsupported version 99"),
+        (16, huge, "header is damaged or cut short"),  # the metadata count
+        (tokens + 8, huge, "header is damaged or cut short"),  # the vocabulary's length
+        (type_at, struct.pack("<I", 77), "token_embd.weight has unknown type 77"),
+        (type_at + 4, huge, "tensor token_embd.weight"),  # its offset, past the end
+    ]
+    bad = tmp_path / "bad.gguf"
+    for at, patch, needle in cases:
+        bad.write_bytes(data[:at] + patch + data[at + len(patch) :])
+        with pytest.raises(ModelLoadError, match="cannot read GGUF") as err:
+            resolve(str(bad))
+        assert needle in str(err.value), (at, str(err.value))
 
 
 def test_cli_errors_are_one_line_without_traceback(tmp_path: Path, tiny_llama: Path) -> None:
@@ -220,3 +271,19 @@ def test_cli_generate_with_private_weights(tiny_llama: Path, tmp_path: Path) -> 
     assert json.loads(priv.stdout)["token_ids"] == ref["token_ids"] != public["token_ids"]
     missing = veil(*common, "--model", str(tiny_llama), "--private-weights", str(tmp_path / "x"))
     assert_one_line_error(missing, "not found")
+
+
+def test_model_label_never_names_a_path(tmp_path: Path, default_model_folder: Path) -> None:
+    """What a server tells its clients about its model: a name, not where the file lives."""
+    from engine.loading import ResolvedModel, model_label
+
+    assert model_label(resolve(DEFAULT_MODEL)) == DEFAULT_MODEL
+    gguf = embedded_gguf()
+    assert (
+        model_label(ResolvedModel(str(gguf), default_model_folder, gguf))
+        == "Smollm2 135M 8k Lc100K Mix1 Ep2"
+    )
+    nameless = tmp_path / "copy.gguf"
+    nameless.write_bytes(b"GGUF" + bytes(60))  # no readable header: the file's name
+    assert model_label(ResolvedModel(str(nameless), tmp_path, nameless)) == "copy.gguf"
+    assert model_label(ResolvedModel(str(tmp_path), tmp_path, tmp_path)) == tmp_path.name

@@ -14,7 +14,9 @@ from engine.model import layer_tensor_names
 from engine.split import SplitPlan, SplitRunner, load_client, load_trunk
 from tests.tiny import make_model
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"]
+# families whose layers differ: sliding windows, biases, q/k norms, Gemma's norms and caps
+TREE_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"]
 
 
 def _runner(folder: Path, head: int, tail: int) -> SplitRunner:
@@ -114,7 +116,7 @@ def _path_to(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_tree_append_and_compaction_equal_recompute(
     family: str, tiny_models: dict[str, Path]
 ) -> None:
@@ -143,7 +145,7 @@ def test_tree_append_and_compaction_equal_recompute(
         assert (after - full).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_tree_nodes_have_the_bits_of_sequential_steps(
     family: str, tiny_models: dict[str, Path]
 ) -> None:

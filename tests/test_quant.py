@@ -87,7 +87,7 @@ def test_gguf_reader_rejects_bad_files(tmp_path: Path) -> None:
         GGUFFile(bad)
     short = tmp_path / "short.gguf"
     short.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (5).to_bytes(8, "little"))
-    with pytest.raises(ModelLoadError, match="truncated"):
+    with pytest.raises(ModelLoadError, match="damaged or cut short"):
         GGUFFile(short)
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")

@@ -20,6 +20,7 @@ import zmq
 from engine import protocol as P
 from engine.errors import AuthError, FingerprintMismatch, ServerBusy, SplitError, TransportError
 from engine.generate import available_decoders, generate
+from engine.loading import load_config
 from engine.local_server import LocalTrunkServer, start_local_trunk
 from engine.sampling import SamplingParams
 from engine.split import ClientModel, LocalTrunk, SplitRunner, load_client, load_trunk
@@ -216,12 +217,21 @@ def test_a_network_drop_keeps_the_session(folder: Path, client: ClientModel) -> 
             assert trunk.replays == 0 and trunk.reconnects == 0
 
 
-def test_fingerprint_mismatch(server: LocalTrunkServer, tmp_path: Path) -> None:
+def test_fingerprint_mismatch(server: LocalTrunkServer, folder: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
     make_model(other, "llama", seed=99, n_layers=6)  # same config, different weights
     c = load_client(str(other), 1)
-    with pytest.raises(FingerprintMismatch, match="trunk weights"):
+    with pytest.raises(FingerprintMismatch, match="trunk weights") as err:
         server.connect(c)
+    # the client is told which model the server serves and what to do, never where it lives
+    assert f"serves {folder.name} (model fingerprint " in str(err.value)
+    assert str(folder.parent) not in str(err.value) and "Settings" in str(err.value)
+    qwen = tmp_path / "qwen"
+    make_model(qwen, "qwen2", seed=98, n_layers=6)  # another config
+    with pytest.raises(FingerprintMismatch, match="another one") as err:
+        server.connect(load_client(str(qwen), 1))
+    assert str(folder.parent) not in str(err.value)
+    assert load_config(folder).fingerprint() in str(err.value)
     s = raw_socket(server)
     r = ask(s, P.encode(P.Open("0123456789abcdef", None, 1, 5, "float16", 64, 512)))
     assert isinstance(r, P.Error) and r.code == P.E_FINGERPRINT

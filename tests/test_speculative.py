@@ -21,7 +21,9 @@ from engine.sampling import SamplingParams, process_logits, target_probs
 from engine.split import SplitRunner, load_client, load_trunk
 from tests.tiny import make_model
 
-FAMILIES = ("llama", "mistral", "qwen2")  # mistral: sliding window 8 inside tree blocks
+# mistral: sliding window 8 inside tree blocks; qwen3: q/k norms; gemma3: sliding and global
+# layers with their own rotary bases, Gemma's norms, query scale and capped logits
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 @pytest.fixture(scope="module")

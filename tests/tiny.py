@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama / Mistral / Qwen2 checkpoints built from configs, for tests."""
+"""Tiny random-weight Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 checkpoints built from
+configs, for tests."""
 
 from __future__ import annotations
 
@@ -87,6 +88,38 @@ def make_config(family: str, n_layers: int = 4, **kw):  # type: ignore[no-untype
     if family == "qwen2":
         base.setdefault("tie_word_embeddings", True)
         return Qwen2Config(**base)
+    if family == "qwen3":  # q/k norms; head_dim is not hidden / heads
+        from transformers import Qwen3Config
+
+        base.setdefault("head_dim", 24)
+        return Qwen3Config(**base)
+    if family in ("gemma3", "gemma2"):
+        # sliding (window 8) and global layers mixed; a query scale that is not 1 / sqrt(hd);
+        # soft-capped logits (and attention scores: Gemma 2 only)
+        n = base["num_hidden_layers"]
+        base.setdefault("head_dim", 16)
+        base.setdefault("sliding_window", 8)
+        base.setdefault(
+            "layer_types", [("sliding_attention", "full_attention")[i % 3 == 1] for i in range(n)]
+        )
+        base.setdefault("query_pre_attn_scalar", 24)
+        base.setdefault("final_logit_softcapping", 10.0)
+        base["tie_word_embeddings"] = kw.get("tie_word_embeddings", True)
+        if family == "gemma2":
+            from transformers import Gemma2Config
+
+            base.setdefault("attn_logit_softcapping", 2.0)
+            return Gemma2Config(**base)
+        from transformers import Gemma3TextConfig
+
+        base.setdefault(
+            "rope_parameters",
+            {
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )
+        return Gemma3TextConfig(**base)
     raise ValueError(family)
 
 
@@ -96,7 +129,9 @@ def make_model(folder: Path, family: str = "llama", seed: int = 0, n_layers: int
 
     cfg = make_config(family, n_layers=n_layers, **kw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    # transformers' SDPA path cannot cap attention scores (Gemma 2): its eager path can
+    attn = "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     with torch.no_grad():  # larger weights than the default init so logits are not all ties
         for p in model.parameters():
             p.normal_(0.0, 0.08)

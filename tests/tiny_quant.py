@@ -104,7 +104,8 @@ def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_gguf(folder: Path, path: Path, fmt: str, arch: str = "llama") -> None:
     """The tiny float model in ``folder`` as a GGUF file whose matrices are in ``fmt`` (norms
-    and biases stay float32); llama q/k rows permuted as llama.cpp stores them."""
+    and biases stay float32); llama q/k rows permuted and Gemma norms stored as 1 + w, as
+    llama.cpp stores them."""
     import gguf
     from safetensors.torch import load_file
 
@@ -119,10 +120,12 @@ def write_gguf(folder: Path, path: Path, fmt: str, arch: str = "llama") -> None:
     writer.add_block_count(cfg.n_layers)
     qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
     for name, t in sorted(sd.items()):
-        g = gguf_name(name)
+        g = gguf_name(name, cfg.family)
         if g is None:
             continue
         a = t.to(torch.float32).numpy()
+        if cfg.norm_plus_one and g.endswith("norm.weight"):
+            a = a + np.float32(1.0)
         if arch == "llama" and ".q_proj." in name:
             a = permute_qk(a, cfg.n_heads)
         elif arch == "llama" and ".k_proj." in name:

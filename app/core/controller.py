@@ -82,6 +82,7 @@ class AppController:
         self.gauges_changed = Event()  # (GaugeState)
         self.config_loaded = Event()  # ()  n_layers known: the slider can be set up
         self.load_failed = Event()  # (VeilError)
+        self.model_unavailable = False  # the selected model failed to load: none is in use
         self.split_changed = Event()  # (k)
         self.resolved = Event()  # (cause) a problem of this cause is gone: clear its banners
         for ev in (self.chat.gauges, self.drafting.gauges):
@@ -134,7 +135,7 @@ class AppController:
                 "reconfigure",
                 lambda ctx: host.reconfigure(s.model, s.mode, s.invite),
                 on_done=switched,
-                on_error=lambda e: self.load_failed.emit(e),
+                on_error=self._load_error,
             )
         )
 
@@ -168,6 +169,7 @@ class AppController:
 
         def done(_: Any) -> None:
             cfg = self.host.config
+            self.model_unavailable = cfg is None
             if cfg is not None:
                 k = max(1, min(self.settings.local_layers, (cfg.n_layers + 1) // 2))
                 self.settings.local_layers = k
@@ -180,10 +182,16 @@ class AppController:
                 "config",
                 lambda ctx: self.host.read_config_blocking(ctx.progress),
                 on_done=done,
-                on_error=lambda e: self.load_failed.emit(e),
+                on_error=self._load_error,
                 on_progress=lambda st, f: self.chat.progress.emit(st, f),
             )
         )
+
+    def _load_error(self, err: VeilError) -> None:
+        """Loading failed: without a config no model is in use (a switch to a model that
+        cannot be opened leaves none), and the panel must not show the previous one's."""
+        self.model_unavailable = self.host.config is None
+        self.load_failed.emit(err)
 
     def connect_now(self) -> None:
         """Load the model and connect in the background, so the first message is quick."""
@@ -193,7 +201,7 @@ class AppController:
 
         def failed(err: VeilError) -> None:
             self._on_state(self.host.state)
-            self.load_failed.emit(err)
+            self._load_error(err)
 
         def work(ctx: TaskContext) -> None:
             self.host.ensure_ready_blocking(ctx.progress)
@@ -262,6 +270,8 @@ class AppController:
     def split_summary(self, k: int) -> str:
         n = self.n_layers
         if n is None:
+            if self.model_unavailable:
+                return "No model is loaded: the one in Settings could not be opened."
             return "Loading the model..."
         local = min(2 * k, n)
         if local >= n:

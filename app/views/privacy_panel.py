@@ -130,6 +130,7 @@ class PrivacyPanel(QFrame):
         lay.addWidget(self.note)
 
         app.config_loaded.connect(self.setup)
+        app.load_failed.connect(lambda _err: self._after_failure())
         app.split_changed.connect(lambda k: self.refresh())
         self._sent_k: int | None = None  # the setting the reply being written uses
         app.chat.busy_changed.connect(self._busy_changed)
@@ -149,6 +150,13 @@ class PrivacyPanel(QFrame):
         self.slider.blockSignals(False)
         self.slider.setEnabled(True)
         self.refresh()
+
+    def _after_failure(self) -> None:
+        """A load failed. When it left no model (a switch to one that cannot be opened), the
+        slider and figures must not describe the previous model any more."""
+        if self.app.max_k is None:
+            self.slider.setEnabled(False)
+            self.refresh()
 
     def _moved(self, k: int) -> None:
         if k != self.app.settings.local_layers:

@@ -37,7 +37,11 @@ class AuditModel:
         self.stacks = [
             LayerStack(config, i, [self.layers[i]], dtype=dtype) for i in range(self.n_layers)
         ]
+        # the rows the first layer sees (Gemma scales them by sqrt(H)): what an attacker who
+        # replays candidate tokens through the public layers feeds them
         self.embed_weight = self.client.embed_weight  # [V, H]
+        if config.embed_scale != 1.0:
+            self.embed_weight = self.client.embed(torch.arange(config.vocab_size))
 
     def stack(self, start: int, end: int) -> LayerStack:
         """A fresh stack of the public layers [start, end) with its own cache."""

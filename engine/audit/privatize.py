@@ -32,7 +32,7 @@ from engine.audit.metrics import score
 from engine.audit.overlay import save_overlay
 from engine.config import ModelConfig
 from engine.errors import Cancelled, SplitError
-from engine.loading import Progress, resolve
+from engine.loading import Progress, load_config, resolve
 from engine.model import KVCache, LayerStack, LayerWeights, block_mask, decoder_layer, rope_cos_sin
 
 
@@ -117,6 +117,8 @@ def privatize(
     report: Progress = progress or (lambda s, f: None)
     t0 = time.perf_counter()
     resolved = resolve(model, progress)
+    # its checkpoint writer undoes the Llama layer's layout
+    load_config(resolved.folder).require_plain_layers("veil privatize")
     am = AuditModel(resolved)
     cfg, n = am.config, am.n_layers
     if head < 1 or tail < 1 or head + tail >= n:

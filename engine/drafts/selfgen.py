@@ -60,6 +60,7 @@ class BatchModel:
         tokenizer: Any = None,
     ) -> None:
         self.config = cfg = config or load_config(resolved.folder)
+        cfg.require_plain_layers("veil train-draft")  # the batched layer below is Llama's
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(resolved.folder)
         self.device = torch.device(device)
         reader = WeightReader(resolved.folder)

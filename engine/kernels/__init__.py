@@ -283,7 +283,7 @@ def _build_attention() -> Callable[..., None]:
     vc = torch.randn(2, 9, 8, generator=g)
     mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0], [1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
     out = torch.empty(2, 32)
-    kernel(q.numpy(), kc.numpy(), vc.numpy(), 7, mask.numpy(), True, out.numpy())
+    kernel(q.numpy(), kc.numpy(), vc.numpy(), 7, mask.numpy(), True, 0.0, 0.0, out.numpy())
     ref = (
         F.scaled_dot_product_attention(
             q.unsqueeze(0),
@@ -301,12 +301,21 @@ def _build_attention() -> Callable[..., None]:
 
 
 def attention(
-    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, end: int, mask: torch.Tensor | None
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    end: int,
+    mask: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | None:
     """Row-invariant attention of ``q`` [nh, B, hd] over slots [0, end) of one layer's cache
     buffers ``kc``/``vc`` [nkv, capacity, hd] under ``mask`` [B, end] (None: every slot) ->
-    [B, nh hd]; None where it does not apply (not CPU float32, no numba, autograd), and the
-    caller uses SDPA (:mod:`engine.kernels._attention` says why it exists)."""
+    [B, nh hd]; ``scale``: the score scale (None: 1 / sqrt(hd)); ``softcap``: scores capped
+    at softcap * tanh(score / softcap). None where it does not apply (not CPU float32, no
+    numba, autograd), and the caller uses SDPA (:mod:`engine.kernels._attention` says why it
+    exists)."""
     if (
         not _enabled
         or q.dtype != torch.float32
@@ -325,9 +334,18 @@ def attention(
     qc = q.contiguous()
     out = torch.empty(n, nh * hd, dtype=torch.float32)  # [B, nh hd]
     m = mask.contiguous() if mask is not None else torch.ones(1, 1, dtype=torch.bool)
+    sc, cap = np.float32(scale or 0.0), np.float32(softcap or 0.0)
     _run(
         lambda: kern(
-            qc.numpy(), kc.numpy(), vc.numpy(), end, m.numpy(), mask is not None, out.numpy()
+            qc.numpy(),
+            kc.numpy(),
+            vc.numpy(),
+            end,
+            m.numpy(),
+            mask is not None,
+            sc,
+            cap,
+            out.numpy(),
         )
     )
     return out

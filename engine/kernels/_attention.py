@@ -39,22 +39,35 @@ def _exp_below(x: Any, n: int, top: Any) -> None:
 
 @njit(  # type: ignore[untyped-decorator]
     "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], int64, boolean[:, ::1], "
-    "boolean, float32[:, ::1])",
+    "boolean, float32, float32, float32[:, ::1])",
     fastmath=True,
     boundscheck=False,
     parallel=True,
     nogil=True,
     cache=CACHE,
 )
-def attend_rows(q: Any, kc: Any, vc: Any, end: int, mask: Any, masked: bool, out: Any) -> None:
-    """out[b, h*hd:(h+1)*hd] = softmax(q[h, b] . K / sqrt(hd)) V over slots [0, end) of the
-    cache that ``mask[b]`` allows (all of them when not ``masked``).
+def attend_rows(
+    q: Any,
+    kc: Any,
+    vc: Any,
+    end: int,
+    mask: Any,
+    masked: bool,
+    scale: Any,
+    softcap: Any,
+    out: Any,
+) -> None:
+    """out[b, h*hd:(h+1)*hd] = softmax(q[h, b] . K * scale) V over slots [0, end) of the
+    cache that ``mask[b]`` allows (all of them when not ``masked``); ``scale`` 0 means
+    1 / sqrt(hd); ``softcap`` > 0 caps each score at softcap * tanh(score / softcap).
 
     q [nh, B, hd]; kc, vc [nkv, capacity, hd] (one layer's buffers); out [B, nh hd]. Query
     heads share K/V in groups of nh / nkv, as in grouped-query attention."""
     nh, n, hd = q.shape
     group = nh // kc.shape[0]
-    scale = np.float32(1.0 / math.sqrt(hd))
+    if scale == 0:
+        scale = np.float32(1.0 / math.sqrt(hd))
+    capped = softcap > 0
     for job in prange(n * nh):
         b = job // nh
         h = job - b * nh
@@ -69,6 +82,8 @@ def attend_rows(q: Any, kc: Any, vc: Any, end: int, mask: Any, masked: bool, out
             for i in range(hd):  # the only vectorized sum: fixed length, same for every row
                 s += q[h, b, i] * kc[g, t, i]
             s *= scale
+            if capped:
+                s = np.float32(np.tanh(s / softcap)) * softcap
             scores[t] = s
             top = max(top, s)
         _exp_below(scores, end, top)  # every slot's weight, visible or not (vector code)

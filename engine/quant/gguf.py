@@ -69,24 +69,39 @@ class TensorInfo:
         return self.shape[-1] // per_block * block_bytes
 
 
+def _size(shape: tuple[int, ...], tid: int) -> int:
+    """Bytes of a tensor of ggml type ``tid`` (0 for an unknown type: refused elsewhere)."""
+    if tid not in GGML_TYPES:
+        return 0
+    _, per_block, block_bytes = GGML_TYPES[tid]
+    return int(np.prod(shape)) // per_block * block_bytes if shape else block_bytes
+
+
 class _Cursor:
     def __init__(self, buf: Any, path: Path) -> None:
         self.buf = buf
         self.pos = 0
         self.path = path
+        self.items = 0  # elements of the arrays skipped (vocabularies, merges)
+
+    def damaged(self) -> ModelLoadError:
+        return ModelLoadError(
+            f"cannot read GGUF file {self.path}: its header is damaged or cut short",
+            hint="copy or download the file again",
+        )
 
     def unpack(self, fmt: str) -> Any:
         try:
             (v,) = struct.unpack_from(fmt, self.buf, self.pos)
         except struct.error:
-            raise ModelLoadError(f"cannot read GGUF file {self.path}: truncated header") from None
+            raise self.damaged() from None
         self.pos += struct.calcsize(fmt)
         return v
 
     def string(self) -> str:
         n = self.unpack("<Q")
         if self.pos + n > len(self.buf):
-            raise ModelLoadError(f"cannot read GGUF file {self.path}: truncated header")
+            raise self.damaged()
         s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return s
@@ -99,14 +114,17 @@ class _Cursor:
         if vtype == _ARRAY:
             etype = self.unpack("<I")
             count = self.unpack("<Q")
+            if count > len(self.buf) - self.pos:  # every element takes at least a byte
+                raise self.damaged()
             if count <= _SMALL_ARRAY:
                 return [self.value(etype) for _ in range(count)]
+            self.items += count
             if etype in _SCALARS:
                 self.pos += struct.calcsize(_SCALARS[etype]) * count
             elif etype == _STRING:
                 for _ in range(count):
-                    n = struct.unpack_from("<Q", self.buf, self.pos)[0]
-                    self.pos += 8 + n
+                    n = self.unpack("<Q")  # length, then the bytes (past the end: the next
+                    self.pos += n  # read says so)
             else:  # arrays of arrays: walk them
                 for _ in range(count):
                     self.value(etype)
@@ -139,6 +157,9 @@ class GGUFFile:
         for _ in range(n_kv):
             key = cur.string()
             self.metadata[key] = cur.value(cur.unpack("<I"))
+        # elements of the long metadata arrays: what a reader that parses them one by one
+        # (transformers' conversion) spends its time on
+        self.array_items = cur.items
         raw: list[tuple[str, tuple[int, ...], int, int]] = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -160,7 +181,13 @@ class GGUFFile:
             nbytes = n // per_block * block_bytes
             start = data_start + off
             if start + nbytes > len(self._map):
-                raise ModelLoadError(f"cannot read GGUF file {self.path}: {name} is truncated")
+                need = max(start + nbytes, *(data_start + o + _size(s, t) for _, s, t, o in raw))
+                raise ModelLoadError(
+                    f"cannot read GGUF file {self.path}: it is damaged or incomplete — tensor "
+                    f"{name} ({kind}, {nbytes:,} bytes) ends at byte {start + nbytes:,} but the "
+                    f"file has {len(self._map):,} bytes (expected at least {need:,})",
+                    hint="copy or download the file again",
+                )
             self.tensors[name] = TensorInfo(name, shape, kind, start, nbytes)
         self._array = np.frombuffer(self._map, dtype=np.uint8)  # whole file, read-only
 

@@ -34,6 +34,13 @@ def _layer_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
             ("self_attn.k_proj.bias", (cfg.n_kv_heads * hd,)),
             ("self_attn.v_proj.bias", (cfg.n_kv_heads * hd,)),
         ]
+    if cfg.qk_norm:
+        out += [("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
+    if cfg.sandwich_norms:
+        out += [
+            ("pre_feedforward_layernorm.weight", (h,)),
+            ("post_feedforward_layernorm.weight", (h,)),
+        ]
     return out
 
 
@@ -86,7 +93,7 @@ def client_weight_bytes(
         has_head = "output.weight" in kinds and not cfg.tie_word_embeddings
         total = 0
         for name, shape in client_tensors(cfg, k, has_head):
-            kind = kinds.get(gguf_name(name) or "", "f32")
+            kind = kinds.get(gguf_name(name, cfg.family) or "", "f32")
             if len(shape) == 2 and kind in BLOCKS and kind != "int8":
                 total += shape[0] * row_bytes(kind, shape[1])
             else:

@@ -176,7 +176,9 @@ class RemoteTrunk(Link):
             return ServerBusy(e.message, hint="try again later or use fewer local sessions")
         if e.code == P.E_FINGERPRINT:
             return FingerprintMismatch(
-                e.message, hint="client and server must load the same model checkpoint"
+                e.message,
+                hint="choose the server's model (the same file) in Settings or with --model, "
+                "or ask the server's admin which model it serves",
             )
         if e.code == P.E_RANGE:
             return SplitError(e.message, hint="choose --local-layers so the trunk fits the server")
