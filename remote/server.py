@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +35,7 @@ from engine.config import ModelConfig
 from engine.loading import WeightReader, load_config, resolve, weights_fingerprint
 from engine.model import layer_tensor_names
 from engine.quant.load import client_reader, resolve_quant
+from remote.delivery import DeliveryService, PartSpec, default_parts_dir, prepare_part
 from remote.gate import ConnectionGate
 from remote.stages import Stage, load_stages, parse_devices, split_layers
 from remote.worker import Done, Job, TrunkWorker, WorkerOptions
@@ -76,6 +78,12 @@ class ServerOptions:
     prefill_chunk: int = 256
     batching: bool = True
     quant: str = "none"  # trunk matrices on CPU: auto (GGUF kept quantized), none, int8, int4
+    # model delivery (remote/delivery.py): ship the client part to clients that ask for it
+    delivery: bool = False
+    client_layers: int | None = None  # the most local layers per side shipped (None: max(M, 2))
+    client_part: str | None = None  # a prepared part folder to ship instead of making one
+    parts_dir: str | None = None  # where parts are made (None: the user cache)
+    draft_head: str | None = None  # the draft head file to ship (None: the model's own, if any)
 
 
 @dataclass
@@ -115,6 +123,7 @@ class TrunkServer:
         public_key: bytes | None = None,
         allowed: Callable[[str], bool] | None = None,
         progress: Callable[[str, float], None] | None = None,
+        signing_key: bytes | None = None,
     ) -> None:
         if opts.insecure and not _is_loopback(opts.bind):
             raise ValueError("--insecure (plain TCP) is only allowed on a loopback address")
@@ -131,6 +140,7 @@ class TrunkServer:
         resolved = resolve(opts.model, progress)
         self.resolved = resolved
         self.model_name = resolved.name
+        self.model_label = Path(resolved.name).name  # what clients are told: never a path
         self.config: ModelConfig = load_config(resolved.folder)
         n = self.config.n_layers
         m = opts.min_local_layers
@@ -153,6 +163,9 @@ class TrunkServer:
         self.auth: Any = None
         self.stats = {"steps": 0, "errors": 0, "opened": 0}
         self.gate = ConnectionGate(allowed, opts.insecure)  # socket thread: the allow-list
+        self.delivery: DeliveryService | None = None
+        if opts.delivery:
+            self.delivery = _make_delivery(self, signing_key)
 
     def _make_worker(self) -> Backend:
         """What computes the steps: the trunk layers, read once, and a batching worker over them.
@@ -201,7 +214,7 @@ class TrunkServer:
         with self.lock:
             n = len([s for s in self.sessions.values() if not s.closed])
         return {
-            "model": self.model_name,
+            "model": self.model_label,
             "config_fp": self.config_fp,
             "hidden_size": self.config.hidden_size,
             "n_layers": self.config.n_layers,
@@ -261,6 +274,9 @@ class TrunkServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(back, zmq.POLLIN)
+        parts = self.delivery.bind(self.ctx) if self.delivery is not None else None
+        if parts is not None:
+            poller.register(parts, zmq.POLLIN)
         self.ready.set()
         last_reap = time.monotonic()
         try:
@@ -273,6 +289,8 @@ class TrunkServer:
                         except zmq.Again:
                             break
                         self._deliver(sock, frames)
+                if parts is not None and parts in events:
+                    self._forward_parts(sock, parts)
                 if sock in events:
                     for _ in range(64):
                         try:
@@ -286,6 +304,10 @@ class TrunkServer:
                     last_reap = now
         finally:
             self.worker.stop()
+            if self.delivery is not None:
+                self.delivery.stop()
+            if parts is not None:
+                parts.close(0)
             if self._out is not None:
                 self._out.close(0)
             back.close(0)
@@ -316,6 +338,17 @@ class TrunkServer:
         self.stats["errors"] += 1
         log.debug("error %s: %s", code, message)
         self._reply(sock, ident, P.Error(code, message, session, step))
+
+    def _forward_parts(self, sock: zmq.Socket, parts: zmq.Socket) -> None:
+        """Send the delivery thread's chunk replies, unless the key was revoked meanwhile."""
+        while True:
+            try:
+                frames = parts.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            user, out = DeliveryService.forward(frames)
+            if self.gate.key_allowed(user):
+                self._send(sock, out)
 
     def _deliver(self, sock: zmq.Socket, frames: list[Any]) -> None:
         """Push a worker reply ([session id, routing id when computed, *message]) to the
@@ -378,6 +411,13 @@ class TrunkServer:
             self._open(sock, ident, user, msg)
         elif isinstance(msg, P.Step):
             self._step(sock, ident, user, msg)
+        elif isinstance(msg, P.PartGet | P.ChunkGet):
+            if self.delivery is None:
+                self._error(sock, ident, P.E_PART, "this server does not ship its model")
+                return
+            reply = self.delivery.handle(ident, user, msg)
+            if reply is not None:
+                self._reply(sock, ident, reply)
         elif isinstance(msg, P.Close):
             s = self._owned(msg.session, ident, user)
             if s is None:
@@ -396,7 +436,7 @@ class TrunkServer:
                 sock,
                 ident,
                 P.E_FINGERPRINT,
-                f"this server runs {self.model_name} (config {self.config_fp}); "
+                f"this server runs {self.model_label} (config {self.config_fp}); "
                 f"the client's model has config {m.config_fp}",
             )
             return
@@ -417,7 +457,7 @@ class TrunkServer:
                 sock,
                 ident,
                 P.E_FINGERPRINT,
-                f"the trunk weights of this server's {self.model_name} differ from the client's",
+                f"the trunk weights of this server's {self.model_label} differ from the client's",
             )
             return
         if not self._make_room_for(sock, ident, user):
@@ -641,3 +681,29 @@ class TrunkServer:
             self._out = self.ctx.socket(zmq.PAIR)
             self._out.connect(f"inproc://veil-worker-{id(self)}")
         self._out.send_multipart([s.sid.encode(), s.owner, *frames], copy=False)
+
+
+def _make_delivery(server: TrunkServer, signing_key: bytes | None) -> DeliveryService:
+    """The client part this server ships and the service that ships it."""
+    opts = server.opts
+    if signing_key is None:
+        raise ValueError("shipping the model needs the server's signing key (veil-trunk keygen)")
+    n = server.config.n_layers
+    k_max = opts.client_layers or max(server.lo, 2)
+    if not server.lo <= k_max < n / 2:
+        raise ValueError(
+            f"--client-layers must be between --min-local-layers ({server.lo}) and "
+            f"{(n - 1) // 2} for this model"
+        )
+    spec = PartSpec(
+        server.resolved,
+        server.config,
+        server.reader,
+        server.lo,
+        k_max,
+        Path(opts.parts_dir) if opts.parts_dir else default_parts_dir(),
+        Path(opts.client_part) if opts.client_part else None,
+        Path(opts.draft_head) if opts.draft_head else None,
+    )
+    folder, manifest = prepare_part(spec)
+    return DeliveryService(folder, manifest, signing_key)

@@ -62,6 +62,31 @@ def _is_loopback(address: str) -> bool:
     return host in ("127.0.0.1", "localhost", "[::1]") or host.startswith("127.")
 
 
+def pick_keys(
+    address: str,
+    invite_key: str | None,
+    server_key: str | None,
+    client_keys: tuple[str, str] | None,
+    insecure: bool,
+) -> tuple[str | None, tuple[str, str] | None, str | None]:
+    """(server key, client keypair, the server key saved before) for a connection: given
+    keys first, else the invite's server key or the saved one, and this computer's keypair."""
+    from engine import keys as K
+
+    if insecure:
+        if not _is_loopback(address):
+            raise TransportError("plain TCP (insecure) is only allowed to a loopback address")
+        return None, None, None
+    saved = None if server_key else K.server_key(address)
+    skey = server_key or invite_key or saved
+    if skey is None:
+        hint = "connect once with its invite code (veil-trunk invite prints it)"
+        if _is_loopback(address):
+            hint += "; for a `veil-trunk serve --insecure` on this computer add --insecure"
+        raise TransportError(f"no key is saved for the trunk server at {address}", hint=hint)
+    return skey, client_keys or K.client_keypair(), saved
+
+
 def connect_trunk(
     server: str,
     client: ClientModel,
@@ -87,24 +112,8 @@ def connect_trunk(
     ``veil-trunk serve --insecure``) is refused off loopback. ``wire_dtype`` defaults to
     ``$VEIL_WIRE_DTYPE`` or float16; ``step_timeout_s`` to ``$VEIL_STEP_TIMEOUT`` or 60 s.
     """
-    from engine import keys as K
-
     address, invite_key = resolve_server(server)
-    saved: str | None = None
-    if insecure:
-        if not _is_loopback(address):
-            raise TransportError("plain TCP (insecure) is only allowed to a loopback address")
-        skey, ckeys = None, None
-    else:
-        if not server_key:
-            saved = K.server_key(address)
-        skey = server_key or invite_key or saved
-        if skey is None:
-            hint = "connect once with its invite code (veil-trunk invite prints it)"
-            if _is_loopback(address):
-                hint += "; for a `veil-trunk serve --insecure` on this computer add --insecure"
-            raise TransportError(f"no key is saved for the trunk server at {address}", hint=hint)
-        ckeys = client_keys or K.client_keypair()
+    skey, ckeys, saved = pick_keys(address, invite_key, server_key, client_keys, insecure)
     if progress is not None:
         progress("connecting to the trunk server", 0.0)
     start, end = client.plan.trunk_range
