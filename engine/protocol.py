@@ -44,7 +44,7 @@ PART_GET = "part_get"
 PART = "part"
 CHUNK_GET = "chunk_get"
 CHUNK = "chunk"
-TYPES = (OPEN, OPENED, STEP, RESULT, CLOSE, CLOSED, PING, PONG, ERROR)
+TYPES: tuple[str, ...] = (OPEN, OPENED, STEP, RESULT, CLOSE, CLOSED, PING, PONG, ERROR)
 TYPES += (PART_GET, PART, CHUNK_GET, CHUNK)
 
 # error codes

@@ -69,6 +69,7 @@ class PartSpec:
     parts_dir: Path
     client_part: Path | None = None
     draft_head: Path | None = None
+    chunk_size: int = M.CHUNK_SIZE
 
 
 def _same_file(manifest: M.Manifest, name: str | None, path: Path | None) -> bool:
@@ -120,7 +121,8 @@ def prepare_part(spec: PartSpec) -> tuple[Path, M.Manifest]:
     folder = spec.parts_dir / key / f"k{spec.k_min}-{spec.k_max}"
     try:
         m = load_manifest(folder)
-        if _same_file(m, m.audit, audit_file) and _same_file(m, m.draft_head, head):
+        same = _same_file(m, m.audit, audit_file) and _same_file(m, m.draft_head, head)
+        if same and m.chunk_size == spec.chunk_size:
             return folder, m
     except M.PartError:
         pass
@@ -133,6 +135,7 @@ def prepare_part(spec: PartSpec) -> tuple[Path, M.Manifest]:
         audit=audit_file,
         draft_head=head,
         model_fp=fp,
+        chunk_size=spec.chunk_size,
     )
     log.info("client part ready: %d files, %.1f MB", len(m.files), m.total_bytes / 1e6)
     return folder, m

@@ -84,6 +84,7 @@ class ServerOptions:
     client_part: str | None = None  # a prepared part folder to ship instead of making one
     parts_dir: str | None = None  # where parts are made (None: the user cache)
     draft_head: str | None = None  # the draft head file to ship (None: the model's own, if any)
+    part_chunk: int = P.MAX_CHUNK  # bytes per chunk of the part's files
 
 
 @dataclass
@@ -689,7 +690,7 @@ def _make_delivery(server: TrunkServer, signing_key: bytes | None) -> DeliverySe
     if signing_key is None:
         raise ValueError("shipping the model needs the server's signing key (veil-trunk keygen)")
     n = server.config.n_layers
-    k_max = opts.client_layers or max(server.lo, 2)
+    k_max = opts.client_layers or max(server.lo, min(2, (n - 1) // 2))
     if not server.lo <= k_max < n / 2:
         raise ValueError(
             f"--client-layers must be between --min-local-layers ({server.lo}) and "
@@ -704,6 +705,7 @@ def _make_delivery(server: TrunkServer, signing_key: bytes | None) -> DeliverySe
         Path(opts.parts_dir) if opts.parts_dir else default_parts_dir(),
         Path(opts.client_part) if opts.client_part else None,
         Path(opts.draft_head) if opts.draft_head else None,
+        opts.part_chunk,
     )
     folder, manifest = prepare_part(spec)
     return DeliveryService(folder, manifest, signing_key)

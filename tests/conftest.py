@@ -19,6 +19,8 @@ def _isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory) -> None:
     machine, as it would for a user.
     """
     os.environ["VEIL_DATA_DIR"] = str(tmp_path_factory.mktemp("veil-data"))
+    # client parts a test server makes (remote/delivery.py) stay out of the user cache
+    os.environ["VEIL_TRUNK_PARTS"] = str(tmp_path_factory.mktemp("veil-trunk-parts"))
 
 
 @pytest.fixture(scope="session")

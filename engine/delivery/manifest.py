@@ -14,7 +14,6 @@ import base64
 import hashlib
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,8 @@ from engine.errors import VeilError
 
 FORMAT = "veil-part/1"
 SIGN_CONTEXT = b"veil-part-manifest/1\n"
-CHUNK_SIZE = P.MAX_CHUNK
+CHUNK_SIZE = P.MAX_CHUNK  # the default; a manifest names its own (4 KiB to MAX_CHUNK)
+MIN_CHUNK = 4096
 MAX_PART_BYTES = 256 << 30
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -38,11 +38,12 @@ class PartFile:
     name: str
     size: int
     sha256: str
-    chunks: tuple[str, ...]  # SHA-256 (hex) of each CHUNK_SIZE piece, in order
+    chunks: tuple[str, ...]  # SHA-256 (hex) of each chunk_size piece, in order
+    chunk_size: int = CHUNK_SIZE
 
     def chunk_range(self, i: int) -> tuple[int, int]:
-        start = i * CHUNK_SIZE
-        return start, min(start + CHUNK_SIZE, self.size)
+        start = i * self.chunk_size
+        return start, min(start + self.chunk_size, self.size)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Manifest:
     files: tuple[PartFile, ...]
     audit: str | None = None  # audit results file, when the server has them
     draft_head: str | None = None  # learned draft head file, when the server has one
+    chunk_size: int = CHUNK_SIZE
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -89,6 +91,7 @@ class Manifest:
             ],
             "audit": self.audit,
             "draft_head": self.draft_head,
+            "chunk_size": self.chunk_size,
             "extra": self.extra,
         }
 
@@ -117,17 +120,20 @@ def decode(raw: bytes) -> Manifest:
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise _bad(f"not a {FORMAT} manifest")
     try:
+        cs = int(d["chunk_size"])
+        if not MIN_CHUNK <= cs <= P.MAX_CHUNK:
+            raise _bad(f"chunk size {cs}")
         files = []
         for f in d["files"]:
             name, size, digest = str(f["name"]), int(f["size"]), str(f["sha256"])
             chunks = tuple(str(c) for c in f["chunks"])
             if not _NAME.match(name):
                 raise _bad(f"file name {name[:40]!r}")
-            if not 0 <= size <= MAX_PART_BYTES or len(chunks) != max(1, -(-size // CHUNK_SIZE)):
+            if not 0 <= size <= MAX_PART_BYTES or len(chunks) != max(1, -(-size // cs)):
                 raise _bad(f"size of {name}")
             if not all(re.fullmatch(r"[0-9a-f]{64}", c) for c in (digest, *chunks)):
                 raise _bad(f"hashes of {name}")
-            files.append(PartFile(name, size, digest, chunks))
+            files.append(PartFile(name, size, digest, chunks, cs))
         names = [f.name for f in files]
         m = Manifest(
             model=str(d["model"])[:200],
@@ -141,6 +147,7 @@ def decode(raw: bytes) -> Manifest:
             files=tuple(files),
             audit=None if d.get("audit") is None else str(d["audit"]),
             draft_head=None if d.get("draft_head") is None else str(d["draft_head"]),
+            chunk_size=cs,
             extra=dict(d.get("extra") or {}),
         )
     except PartError:
@@ -160,27 +167,25 @@ def decode(raw: bytes) -> Manifest:
 # --------------------------------------------------------------------------- hashing
 
 
-def hash_file(path: Path, progress: Callable[[int], None] | None = None) -> tuple[str, list[str]]:
-    """(SHA-256 of the file, SHA-256 of each CHUNK_SIZE piece), in one read."""
+def hash_file(path: Path, chunk_size: int = CHUNK_SIZE) -> tuple[str, list[str]]:
+    """(SHA-256 of the file, SHA-256 of each ``chunk_size`` piece), in one read."""
     whole = hashlib.sha256()
     chunks: list[str] = []
     with path.open("rb") as f:
         while True:
-            block = f.read(CHUNK_SIZE)
+            block = f.read(chunk_size)
             if not block and chunks:
                 break
             whole.update(block)
             chunks.append(hashlib.sha256(block).hexdigest())
-            if progress is not None:
-                progress(len(block))
-            if len(block) < CHUNK_SIZE:
+            if len(block) < chunk_size:
                 break
     return whole.hexdigest(), chunks
 
 
-def describe_file(path: Path) -> PartFile:
-    digest, chunks = hash_file(path)
-    return PartFile(path.name, path.stat().st_size, digest, tuple(chunks))
+def describe_file(path: Path, chunk_size: int = CHUNK_SIZE) -> PartFile:
+    digest, chunks = hash_file(path, chunk_size)
+    return PartFile(path.name, path.stat().st_size, digest, tuple(chunks), chunk_size)
 
 
 # --------------------------------------------------------------------------- signatures

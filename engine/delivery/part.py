@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import ModelConfig
-from engine.delivery.manifest import Manifest, PartError, describe_file
+from engine.delivery.manifest import CHUNK_SIZE, Manifest, PartError, describe_file
 from engine.errors import ModelLoadError
 from engine.loading import ResolvedModel, WeightReader, load_config
 from engine.model import layer_tensor_names
@@ -66,6 +66,7 @@ def build_part(
     audit: Path | None = None,
     draft_head: Path | None = None,
     model_fp: tuple[str, str] | None = None,
+    chunk_size: int = CHUNK_SIZE,
 ) -> Manifest:
     """Write the client part of ``resolved`` for local layers up to ``k_max`` into ``out``
     (replaced whole) and return its (unsigned) manifest."""
@@ -100,7 +101,7 @@ def build_part(
             shutil.copyfile(audit, tmp / AUDIT_FILE)
         if draft_head is not None:
             shutil.copyfile(draft_head, tmp / HEAD_FILE)
-        files = tuple(describe_file(p) for p in sorted(tmp.iterdir()))
+        files = tuple(describe_file(p, chunk_size) for p in sorted(tmp.iterdir()))
         if model_fp is None:
             from engine.drafts.head import model_fingerprint
 
@@ -117,6 +118,7 @@ def build_part(
             files=files,
             audit=AUDIT_FILE if audit is not None else None,
             draft_head=HEAD_FILE if draft_head is not None else None,
+            chunk_size=chunk_size,
         )
         (tmp / "manifest.json").write_bytes(manifest.encode())
         if out.exists():
