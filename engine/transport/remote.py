@@ -176,7 +176,9 @@ class RemoteTrunk(Link):
             return ServerBusy(e.message, hint="try again later or use fewer local sessions")
         if e.code == P.E_FINGERPRINT:
             return FingerprintMismatch(
-                e.message, hint="client and server must load the same model checkpoint"
+                e.message,
+                hint="this computer's model is not the server's: leave out --model (in the app "
+                "choose “The server's model”) to get the server's model from it",
             )
         if e.code == P.E_RANGE:
             return SplitError(e.message, hint="choose --local-layers so the trunk fits the server")
