@@ -38,6 +38,8 @@ from app.core.settings import Settings
 from app.core.tasks import Task, TaskContext
 from app.views.audit_dialog import AuditDialog
 from app.views.chat_view import ChatView
+from app.views.download_dialog import STAGE as DOWNLOAD_STAGE
+from app.views.download_dialog import DownloadAsker, DownloadDialog
 from app.views.drafting_pane import DraftingPane
 from app.views.first_run_dialog import DEMO, FirstRunDialog
 from app.views.gauges_panel import GaugesPanel
@@ -136,6 +138,10 @@ class MainWindow(QMainWindow):
         self._audit_task: Task | None = None
         app.chat.progress.connect(self.show_progress)
         app.drafting.progress.connect(self.show_progress)
+        # the organisation's model from its server: asked before, a dialog while downloading
+        self.download_asker = DownloadAsker(self)
+        self.download = DownloadDialog(self)
+        app.host.confirm_download = self.download_asker
         app.chat.busy_changed.connect(lambda _: self._idle_status())
         app.drafting.busy_changed.connect(lambda _: self._idle_status())
         app.config_loaded.connect(self._idle_status)
@@ -179,6 +185,8 @@ class MainWindow(QMainWindow):
         self.app.drafting.stop()
 
     def show_progress(self, stage: str, fraction: float) -> None:
+        if stage == DOWNLOAD_STAGE:
+            self.download.update_progress(fraction)
         self.status.setText(stage[:1].upper() + stage[1:] + "…")
         self.progress_bar.show()
         self.progress_bar.setValue(int(max(0.0, min(1.0, fraction)) * 100))
@@ -213,6 +221,7 @@ class MainWindow(QMainWindow):
         return answer == QMessageBox.StandardButton.Close
 
     def _load_failed(self, err: VeilError) -> None:
+        self.download.hide()
         self._idle_status()
         state = self.app.host.state
         cause = problems.cause_of(err, state)

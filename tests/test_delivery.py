@@ -200,11 +200,10 @@ def test_more_local_layers_than_the_server_ships_is_one_clear_line(
 
 
 def test_chunk_requests_are_bounded_per_key(model6: Path, tmp_path: Path) -> None:
-    from remote.delivery import MAX_PER_KEY, DeliveryService
-    from tests.delivery_support import SIGN_SEED
-
     from engine.delivery.part import build_part
     from engine.loading import resolve
+    from remote.delivery import MAX_PER_KEY, DeliveryService
+    from tests.delivery_support import SIGN_SEED
 
     m = build_part(resolve(str(model6)), 2, tmp_path / "part", chunk_size=4096)
     svc = DeliveryService(tmp_path / "part", m, SIGN_SEED)  # not bound: nothing is served
