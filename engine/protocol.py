@@ -133,6 +133,9 @@ class Open:
     dtype: str
     hidden_size: int
     max_context: int
+    # the whole model's weights fingerprint, from a client part the server shipped (None: a
+    # model the client loaded itself); a server shipping another model refuses the session
+    model_fp: str | None = None
 
 
 @dataclass
@@ -268,6 +271,7 @@ def encode(msg: Message) -> list[Frame]:
                 dtype=msg.dtype,
                 hidden_size=msg.hidden_size,
                 max_context=msg.max_context,
+                model_fp=msg.model_fp,
             )
         ]
     if isinstance(msg, Opened):
@@ -532,6 +536,7 @@ def decode(frames: Sequence[Any]) -> Message:
             dtype=str(dt),
             hidden_size=_int(h, "hidden_size", 1, MAX_HIDDEN),
             max_context=_int(h, "max_context", 1, MAX_POSITION),
+            model_fp=_str(h, "model_fp", 128, optional=True),
         )
     if t == OPENED:
         return Opened(

@@ -150,7 +150,8 @@ class DeliveryService:
         self.raw = manifest.encode()
         self.part_id = M.part_id(self.raw)
         self.signature = M.sign(self.raw, signing_key)
-        self._fds = [os.open(folder / f.name, os.O_RDONLY) for f in manifest.files]
+        # read by the delivery thread alone: seek + read (os.pread does not exist on Windows)
+        self._files = [(folder / f.name).open("rb") for f in manifest.files]
         self._queues: dict[str, collections.deque[tuple[bytes, P.ChunkGet]]] = {}
         self._turn: collections.deque[str] = collections.deque()  # keys with queued requests
         self._queued = 0
@@ -217,7 +218,11 @@ class DeliveryService:
                 f = self.manifest.files[msg.file]
                 lo, hi = f.chunk_range(msg.chunk)
                 try:
-                    data = os.pread(self._fds[msg.file], hi - lo, lo)
+                    fh = self._files[msg.file]
+                    fh.seek(lo)
+                    data = fh.read(hi - lo)
+                    if len(data) != hi - lo:
+                        raise OSError(f"{f.name} is shorter than its manifest says")
                 except OSError as exc:
                     log.error("reading %s: %s", f.name, exc)
                     reply: P.Message = P.Error(P.E_INTERNAL, "cannot read the model part")
@@ -241,6 +246,6 @@ class DeliveryService:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(5)
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        for fh in self._files:
+            fh.close()
+        self._files = []

@@ -453,6 +453,16 @@ class TrunkServer:
         if m.hidden_size != self.config.hidden_size:
             self._error(sock, ident, P.E_SHAPE, "hidden size does not match the model")
             return
+        shipped = self.delivery.manifest.model_fp[1] if self.delivery is not None else None
+        if m.model_fp is not None and shipped is not None and m.model_fp != shipped:
+            self._error(
+                sock,
+                ident,
+                P.E_FINGERPRINT,
+                f"this server's model changed since this computer got it (it now runs "
+                f"{self.model_label})",
+            )
+            return
         if m.weights_fp is not None and m.weights_fp != self.weights_fp(m.start, m.end):
             self._error(
                 sock,

@@ -295,3 +295,29 @@ def test_a_gguf_part_keeps_the_files_blocks_and_loads_like_the_whole_file(tmp_pa
     # lacks the trunk, so the whole model's fingerprint comes from the signed manifest
     ha, hb = auto_head(a), auto_head(b)
     assert ha is not None and hb is not None and ha.path == hb.path
+
+
+def test_the_app_engine_fetches_the_new_model_when_the_admin_changes_it(
+    model6: Path, other6: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.core.engine_host import CONNECTED, EngineHost
+    from app.core.settings import MODE_SERVER, SERVER_MODEL
+
+    laptop(monkeypatch, tmp_path / "cache")
+    asked: list[int] = []
+    with shipping_server(model6, tmp_path / "parts") as srv:
+        code, port = invite(srv), int(srv.address.rsplit(":", 1)[1])
+        host = EngineHost(SERVER_MODEL, MODE_SERVER, code, local_layers=2)
+        host.confirm_download = lambda m, n: asked.append(n) or True
+        host.ensure_ready_blocking()
+        first = host.part
+        assert host.state == CONNECTED and first is not None and host.max_k == 2
+        host._close_trunk()  # (a reply fails while the server restarts)
+    with shipping_server(other6, tmp_path / "parts", port=port):
+        runner = host.ensure_ready_blocking()
+        assert host.state == CONNECTED and host.part is not None
+        assert host.part.manifest.part_id != first.manifest.part_id
+        assert runner.client.resolved.folder == host.part.folder
+        assert greedy(runner, 4)  # it chats with the new model
+        host.shutdown_blocking()
+    assert len(asked) == 2  # asked before each download

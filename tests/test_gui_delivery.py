@@ -47,6 +47,7 @@ def test_only_an_invite_downloads_the_model_and_shows_its_audit(
     with shipping_server(model6, parts) as srv:
         app, w = create(parse_args(["--theme", "light"]), str(tmp_path / "data"))
         qtbot.addWidget(w)
+        w.show()
         app.choose_server(invite(srv))  # the first-run choice: paste the invite, nothing else
         assert app.settings.model == SERVER_MODEL
         qtbot.waitUntil(lambda: app.host.uses_server_model, timeout=WAIT_MS)
@@ -66,7 +67,7 @@ def test_only_an_invite_downloads_the_model_and_shows_its_audit(
         app.connect_now()
         qtbot.waitUntil(lambda: app.host.state == CONNECTED, timeout=WAIT_MS)
         assert len(w.download_asker.asked) == 1  # the cache, not a second download
-        app.close()
+        w.close()
 
 
 def test_a_declined_download_leaves_a_clear_line(
@@ -78,6 +79,7 @@ def test_a_declined_download_leaves_a_clear_line(
     with shipping_server(model6, tmp_path / "parts") as srv:
         app, w = create(parse_args(["--theme", "light"]), str(tmp_path / "data"))
         qtbot.addWidget(w)
+        w.show()
         app.load_failed.connect(lambda e: errors.append(str(e)))
         app.choose_server(invite(srv))
         qtbot.waitUntil(lambda: app.host.uses_server_model, timeout=WAIT_MS)
@@ -85,7 +87,7 @@ def test_a_declined_download_leaves_a_clear_line(
         qtbot.waitUntil(lambda: bool(errors), timeout=WAIT_MS)
         assert "declined" in errors[0] and "\n" not in errors[0]
         assert app.host.part is None
-        app.close()
+        w.close()
 
 
 def test_settings_offer_the_servers_model_and_browse_folders(

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from engine import protocol as P
 from engine.delivery import manifest as M
@@ -171,10 +171,10 @@ class PartFetcher:
         """Fetch chunks ``todo`` ((file index, chunk index)) into ``folder``; bytes fetched."""
         link, pid = self.link, man.part_id
         total = man.total_bytes
-        fds = {}
+        fhs: dict[int, BinaryIO] = {}  # (seek + write: os.pwrite does not exist on Windows)
         for i, f in enumerate(man.files):
             if any(fi == i for fi, _ in todo):
-                fds[i] = os.open(folder / f.name, os.O_RDWR | os.O_CREAT, 0o600)
+                fhs[i] = (folder / f.name).open("r+b")
         pending = list(reversed(todo))
         waiting: dict[tuple[int, int], float] = {}
         fetched = 0
@@ -228,15 +228,17 @@ class PartFetcher:
                         "manifest: the model part is refused",
                         hint="it was changed on the way or on the server; tell your IT department",
                     )
-                os.pwrite(fds[r.file], data, lo)
+                fh = fhs[r.file]
+                fh.seek(lo)
+                fh.write(data)
                 del waiting[key]
                 fetched += len(data)
                 last_progress = time.monotonic()
                 if progress is not None:
                     progress(STAGE, min((done_bytes + fetched) / max(total, 1), 1.0))
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for fh in fhs.values():
+                fh.close()
         return fetched
 
     def close(self) -> None:

@@ -26,6 +26,16 @@ def client_fingerprint(client: ClientModel) -> tuple[str, str | None]:
     return client.config.fingerprint(), None
 
 
+def part_model_fp(client: ClientModel) -> str | None:
+    """The whole model's weights fingerprint of a client part from the server (None for a
+    model loaded from a file), so a server that now ships another model refuses the session."""
+    from engine.delivery.fetch import part_info
+
+    info = part_info(client.resolved.folder)
+    fp = info.get("model_fp") if info else None
+    return str(fp[1]) if isinstance(fp, list) and len(fp) == 2 else None
+
+
 def resolve_server(server: str) -> tuple[str, str | None]:
     """(address, server key or None) from an address or an invite code."""
     s = server.strip()
@@ -127,6 +137,7 @@ def connect_trunk(
         hidden_size=client.config.hidden_size,
         config_fp=config_fp,
         weights_fp=weights_fp,
+        model_fp=part_model_fp(client),
         max_context=max_context or client.config.max_position_embeddings,
         wire_dtype=wire_dtype or os.environ.get("VEIL_WIRE_DTYPE") or "float16",
         timeout_s=timeout_s,
