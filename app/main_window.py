@@ -140,7 +140,8 @@ class MainWindow(QMainWindow):
         app.drafting.progress.connect(self.show_progress)
         # the organisation's model from its server: asked before, a dialog while downloading
         self.download_asker = DownloadAsker(self)
-        self.download = DownloadDialog(self)
+        self.download: DownloadDialog | None = None  # while a download runs
+        self.download_shown = 0.0  # the last fraction it showed
         app.host.confirm_download = self.download_asker
         app.chat.busy_changed.connect(lambda _: self._idle_status())
         app.drafting.busy_changed.connect(lambda _: self._idle_status())
@@ -186,7 +187,12 @@ class MainWindow(QMainWindow):
 
     def show_progress(self, stage: str, fraction: float) -> None:
         if stage == DOWNLOAD_STAGE:
+            if self.download is None:
+                self.download = DownloadDialog(self)
             self.download.update_progress(fraction)
+            self.download_shown = fraction
+            if fraction >= 1.0:
+                self._end_download()
         self.status.setText(stage[:1].upper() + stage[1:] + "…")
         self.progress_bar.show()
         self.progress_bar.setValue(int(max(0.0, min(1.0, fraction)) * 100))
@@ -220,8 +226,14 @@ class MainWindow(QMainWindow):
         )
         return answer == QMessageBox.StandardButton.Close
 
+    def _end_download(self) -> None:
+        if self.download is not None:
+            self.download.hide()
+            self.download.deleteLater()
+            self.download = None
+
     def _load_failed(self, err: VeilError) -> None:
-        self.download.hide()
+        self._end_download()
         self._idle_status()
         state = self.app.host.state
         cause = problems.cause_of(err, state)

@@ -56,7 +56,7 @@ def test_only_an_invite_downloads_the_model_and_shows_its_audit(
         [(model, size)] = w.download_asker.asked  # asked once, with the size, before
         part = app.host.part
         assert model == "office-model" and size == part.manifest.total_bytes
-        assert w.download.bar.value() == 1000 and not w.download.isVisible()
+        assert w.download_shown == 1.0 and w.download is None  # shown, then closed
         assert w.privacy.slider.maximum() == part.manifest.k_max == 2  # what the part holds
         assert app.model_name() == "office-model"
         w.privacy.slider.setValue(2)
