@@ -388,7 +388,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif not args.insecure:
         kd = args.keys or default_keys_dir()
         pub, sec = load_server_keys(kd)
-        sign = delivery_cli.signing_key(kd)
+        sign = delivery_cli.serve_signing_key(kd)
         allowed = AllowList(kd / ALLOW_FILE)
         if not allowed.path or not allowed.path.is_file():
             log.warning("no client is allowed yet: run `veil-trunk allow CLIENT_PUBLIC_KEY`")

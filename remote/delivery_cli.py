@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 SIGN_FILE = "server.sign_secret"
+log = logging.getLogger("veil.trunk")
 
 
 class DeliveryCliError(Exception):
@@ -44,6 +46,22 @@ def signing_key(d: Path, create: bool = True) -> bytes:
         f.write(seed.hex() + "\n")
     os.chmod(path, 0o600)
     return seed
+
+
+def serve_signing_key(d: Path) -> bytes | None:
+    """The signing key for ``serve``; None (model delivery off, with a warning) when a keys
+    folder made before delivery cannot take a new one (e.g. owned by another user)."""
+    try:
+        return signing_key(d)
+    except OSError as exc:
+        log.warning(
+            "model delivery is off: cannot make the signing key in %s (%s); run "
+            "`veil-trunk invite --keys %s` once as the folder's owner",
+            d,
+            exc.strerror or exc,
+            d,
+        )
+        return None
 
 
 def sign_public(d: Path) -> str:

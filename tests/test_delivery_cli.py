@@ -80,3 +80,16 @@ def test_audit_ships_with_the_model_and_an_invite_is_all_a_laptop_needs(
         proc.wait(30)
     fig = audit_info.figure("llama", 1)  # measured on the server, shown on the laptop
     assert fig.top1 is not None and fig.value.endswith("%")
+
+
+def test_serve_without_a_signing_key_it_cannot_make_runs_without_delivery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from remote import delivery_cli
+
+    def cannot(d: Path, create: bool = True) -> bytes:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(delivery_cli, "signing_key", cannot)
+    assert delivery_cli.serve_signing_key(tmp_path) is None
+    assert "model delivery is off" in caplog.text and "Permission denied" in caplog.text
