@@ -249,3 +249,31 @@ class DeliveryService:
         for fh in self._files:
             fh.close()
         self._files = []
+
+
+def make_delivery(server: Any, signing_key: bytes | None) -> DeliveryService:
+    """The client part a :class:`remote.server.TrunkServer` ships, and the service that
+    ships it (made when the server starts with ``delivery``)."""
+    opts = server.opts
+    if signing_key is None:
+        raise ValueError("shipping the model needs the server's signing key (veil-trunk keygen)")
+    n = server.config.n_layers
+    k_max = opts.client_layers or max(server.lo, min(2, (n - 1) // 2))
+    if not server.lo <= k_max < n / 2:
+        raise ValueError(
+            f"--client-layers must be between --min-local-layers ({server.lo}) and "
+            f"{(n - 1) // 2} for this model"
+        )
+    spec = PartSpec(
+        server.resolved,
+        server.config,
+        server.reader,
+        server.lo,
+        k_max,
+        Path(opts.parts_dir) if opts.parts_dir else default_parts_dir(),
+        Path(opts.client_part) if opts.client_part else None,
+        Path(opts.draft_head) if opts.draft_head else None,
+        opts.part_chunk,
+    )
+    folder, manifest = prepare_part(spec)
+    return DeliveryService(folder, manifest, signing_key)

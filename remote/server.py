@@ -35,7 +35,7 @@ from engine.config import ModelConfig
 from engine.loading import WeightReader, load_config, resolve, weights_fingerprint
 from engine.model import layer_tensor_names
 from engine.quant.load import client_reader, resolve_quant
-from remote.delivery import DeliveryService, PartSpec, default_parts_dir, prepare_part
+from remote.delivery import DeliveryService, make_delivery
 from remote.gate import ConnectionGate
 from remote.stages import Stage, load_stages, parse_devices, split_layers
 from remote.worker import Done, Job, TrunkWorker, WorkerOptions
@@ -166,7 +166,7 @@ class TrunkServer:
         self.gate = ConnectionGate(allowed, opts.insecure)  # socket thread: the allow-list
         self.delivery: DeliveryService | None = None
         if opts.delivery:
-            self.delivery = _make_delivery(self, signing_key)
+            self.delivery = make_delivery(self, signing_key)
 
     def _make_worker(self) -> Backend:
         """What computes the steps: the trunk layers, read once, and a batching worker over them.
@@ -692,30 +692,3 @@ class TrunkServer:
             self._out = self.ctx.socket(zmq.PAIR)
             self._out.connect(f"inproc://veil-worker-{id(self)}")
         self._out.send_multipart([s.sid.encode(), s.owner, *frames], copy=False)
-
-
-def _make_delivery(server: TrunkServer, signing_key: bytes | None) -> DeliveryService:
-    """The client part this server ships and the service that ships it."""
-    opts = server.opts
-    if signing_key is None:
-        raise ValueError("shipping the model needs the server's signing key (veil-trunk keygen)")
-    n = server.config.n_layers
-    k_max = opts.client_layers or max(server.lo, min(2, (n - 1) // 2))
-    if not server.lo <= k_max < n / 2:
-        raise ValueError(
-            f"--client-layers must be between --min-local-layers ({server.lo}) and "
-            f"{(n - 1) // 2} for this model"
-        )
-    spec = PartSpec(
-        server.resolved,
-        server.config,
-        server.reader,
-        server.lo,
-        k_max,
-        Path(opts.parts_dir) if opts.parts_dir else default_parts_dir(),
-        Path(opts.client_part) if opts.client_part else None,
-        Path(opts.draft_head) if opts.draft_head else None,
-        opts.part_chunk,
-    )
-    folder, manifest = prepare_part(spec)
-    return DeliveryService(folder, manifest, signing_key)
