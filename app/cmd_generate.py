@@ -78,6 +78,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("--system", default=None, help="system prompt")
     add_common_model_args(p)
+    # no --model with --server: the server's model, fetched from it (see engine/delivery)
+    p.set_defaults(model=None)
+    p.add_argument(
+        "--yes",
+        action="store_true",
+        help="with --server and no --model: download the server's model without asking",
+    )
     p.add_argument(
         "--server",
         default=None,
@@ -132,8 +139,10 @@ def default_decoder() -> str:
 
 
 def runner_options(args: argparse.Namespace) -> RunnerOptions:
+    server = getattr(args, "server", None)
+    model = args.model if args.model is not None or server else DEFAULT_MODEL
     return RunnerOptions(
-        model=args.model,
+        model=model,
         local_layers=args.local_layers,
         tail_layers=args.tail_layers,
         server=getattr(args, "server", None),
@@ -142,7 +151,30 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
         device=args.device,
         private_weights=getattr(args, "private_weights", None),
         client_quant=getattr(args, "client_quant", "auto"),
+        confirm_download=download_prompt(bool(getattr(args, "yes", False))),
     )
+
+
+def download_prompt(yes: bool) -> Any:
+    """Ask before the server's model is downloaded (``--yes``: go ahead; no terminal: refuse
+    with the size and the flag to pass)."""
+
+    from app.core.gauges import human_bytes
+
+    def confirm(manifest: Any, size: int) -> bool:
+        what = f"the model {manifest.model} from the server: {human_bytes(size)}"
+        if yes:
+            print(f"veil: downloading {what}", file=sys.stderr)
+            return True
+        if not sys.stdin.isatty():
+            raise GenerationError(
+                f"connecting needs a one-time download of {what}",
+                hint="run it again with --yes, or answer the question in a terminal",
+            )
+        answer = input(f"veil: download {what}? [y/N] ")
+        return answer.strip().lower() in ("y", "yes")
+
+    return confirm
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -171,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
     attached = _read_attachments(args.attach, progress) if args.attach else None
     t0 = time.perf_counter()
     kernels.set_int8_activations(not getattr(args, "exact_float", False))
-    runner = open_runner(runner_options(args), progress)
+    opts = runner_options(args)
+    runner = open_runner(opts, progress)
     progress.close()
     load_s = time.perf_counter() - t0
     head_name = _use_draft_head(runner, args)
@@ -235,6 +268,13 @@ def run(args: argparse.Namespace) -> int:
         out["sources"] = [
             {"n": s.n, "file": s.path, "page": s.page, "paragraph": s.para} for s in sources
         ]
+    if opts.fetched is not None:  # the server's model: what came over the network
+        out["model_part"] = {
+            "part_id": opts.fetched.manifest.part_id,
+            "part_bytes": opts.fetched.manifest.total_bytes,
+            "fetched_bytes": opts.fetched.fetched_bytes,
+            "local_layers_max": opts.fetched.manifest.k_max,
+        }
     extra = getattr(runner.trunk, "json_stats", None)
     if callable(extra):
         out.update(extra())

@@ -40,6 +40,8 @@ from app.progress import Eta
 from app.views.about_dialog import AboutDialog
 from app.views.audit_flow import AuditFlow
 from app.views.chat_view import ChatView
+from app.views.download_dialog import STAGE as DOWNLOAD_STAGE
+from app.views.download_dialog import DownloadAsker, DownloadDialog
 from app.views.drafting_pane import DraftingPane
 from app.views.elided_label import ElidedLabel
 from app.views.first_run_dialog import DEMO, FirstRunDialog
@@ -127,6 +129,11 @@ class MainWindow(QMainWindow):
         app.chat.progress.connect(self.show_progress)
         app.chat.reading.connect(self._show_reading)
         app.drafting.progress.connect(self.show_progress)
+        # the organisation's model from its server: asked before, a dialog while downloading
+        self.download_asker = DownloadAsker(self)
+        self.download: DownloadDialog | None = None  # while a download runs
+        self.download_shown = 0.0  # the last fraction it showed
+        app.host.confirm_download = self.download_asker
         app.chat.busy_changed.connect(lambda _: self._idle_status())
         app.drafting.busy_changed.connect(lambda _: self._idle_status())
         app.config_loaded.connect(self._idle_status)
@@ -225,6 +232,13 @@ class MainWindow(QMainWindow):
     def show_progress(self, stage: str, fraction: float) -> None:
         """The step in words, and a bar with its real progress where the step reports some,
         else a busy indicator (a step that only says when it starts and ends looked stuck)."""
+        if stage == DOWNLOAD_STAGE:
+            if self.download is None:
+                self.download = DownloadDialog(self)
+            self.download.update_progress(fraction)
+            self.download_shown = fraction
+            if fraction >= 1.0:
+                self._end_download()
         left = self._eta.text(stage, fraction)  # long stages (a model's one-time conversion)
         self.status.setText(stage[:1].upper() + stage[1:] + "…" + left)
         self.progress_bar.show()
@@ -262,7 +276,14 @@ class MainWindow(QMainWindow):
         )
         return answer == QMessageBox.StandardButton.Close
 
+    def _end_download(self) -> None:
+        if self.download is not None:
+            self.download.hide()
+            self.download.deleteLater()
+            self.download = None
+
     def _load_failed(self, err: VeilError) -> None:
+        self._end_download()
         self._idle_status()
         state = self.app.host.state
         cause = problems.cause_of(err, state)

@@ -32,6 +32,7 @@ SERVICE = "veil"
 CLIENT_PUBLIC = "client-public-key"
 CLIENT_SECRET = "client-secret-key"
 SERVER_PREFIX = "server-key:"
+SIGN_PREFIX = "server-sign-key:"  # the key that signs the model parts a server ships
 
 FALLBACK_HINT = (
     "no OS keyring is available on this computer; set VEIL_KEYRING=file to keep keys in a "
@@ -178,6 +179,16 @@ def save_server_key(address: str, public_key: str) -> None:
 def server_key(address: str) -> str | None:
     """The saved public key of the server at ``address`` (None when unknown)."""
     return _get(SERVER_PREFIX + address)
+
+
+def save_sign_key(address: str, public_key: str) -> None:
+    """Pin the model-signing key of the server at ``address`` (after a manifest verified)."""
+    _set(SIGN_PREFIX + address, public_key)
+
+
+def sign_key(address: str) -> str | None:
+    """The saved model-signing key of the server at ``address`` (None when unknown)."""
+    return _get(SIGN_PREFIX + address)
 
 
 def storage_description() -> str:

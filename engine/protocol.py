@@ -40,7 +40,13 @@ CLOSED = "closed"
 PING = "ping"
 PONG = "pong"
 ERROR = "error"
-TYPES = (OPEN, OPENED, STEP, RESULT, CLOSE, CLOSED, PING, PONG, ERROR)
+# model delivery (delivery version DELIVERY_VERSION, field `dv`; see docs/protocol.md)
+PART_GET = "part_get"
+PART = "part"
+CHUNK_GET = "chunk_get"
+CHUNK = "chunk"
+TYPES: tuple[str, ...] = (OPEN, OPENED, STEP, RESULT, CLOSE, CLOSED, PING, PONG, ERROR)
+TYPES += (PART_GET, PART, CHUNK_GET, CHUNK)
 
 # error codes
 E_BAD_MESSAGE = "bad_message"  # malformed header / frames / fields
@@ -54,6 +60,7 @@ E_RANGE = "range"  # requested layer range not served
 E_CONTEXT = "context"  # position beyond the session's max context
 E_INTERNAL = "internal"  # unexpected server failure (the session is dropped)
 E_DENIED = "denied"  # this key is not (or no longer) allowed, or the id belongs to another key
+E_PART = "part"  # no such client part: the server ships none, or its model changed since
 ERROR_CODES = (
     E_BAD_MESSAGE,
     E_VERSION,
@@ -66,6 +73,7 @@ ERROR_CODES = (
     E_CONTEXT,
     E_INTERNAL,
     E_DENIED,
+    E_PART,
 )
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -83,6 +91,13 @@ MAX_FRAMES = 2
 MAX_ID_LEN = 64
 
 INVITE_PREFIX = "veil1:"
+
+DELIVERY_VERSION = 1  # the model-delivery messages' own version (`dv`)
+MAX_CHUNK = 1 << 20  # bytes of one chunk of a client part file
+MAX_MANIFEST = 8 << 20  # bytes of a client part's manifest
+MAX_FILES = 64  # files in one client part
+SIGNATURE_LEN = 64  # an Ed25519 signature
+PART_ID_LEN = 24
 
 # CurveZMQ keys travel and are shown as Z85 text: 40 characters for 32 bytes.
 Z85_ALPHABET = (
@@ -119,6 +134,9 @@ class Open:
     dtype: str
     hidden_size: int
     max_context: int
+    # the whole model's weights fingerprint, from a client part the server shipped (None: a
+    # model the client loaded itself); a server shipping another model refuses the session
+    model_fp: str | None = None
 
 
 @dataclass
@@ -185,7 +203,40 @@ class Error:
     step: int | None = None
 
 
-Message = Open | Opened | Step | Result | Close | Closed | Ping | Pong | Error
+@dataclass
+class PartGet:
+    """Ask for the manifest of the client part this server ships."""
+
+    dv: int = DELIVERY_VERSION
+
+
+@dataclass
+class Part:
+    """The signed manifest (JSON bytes, in the second frame) of the client part."""
+
+    part_id: str
+    manifest: bytes
+    signature: bytes  # Ed25519 over manifest_message(manifest)
+
+
+@dataclass
+class ChunkGet:
+    part_id: str
+    file: int  # index into the manifest's files
+    chunk: int  # index of the chunk in that file
+
+
+@dataclass
+class Chunk:
+    part_id: str
+    file: int
+    chunk: int
+    data: bytes | memoryview  # at most MAX_CHUNK bytes (second frame)
+
+
+Message = (
+    Open | Opened | Step | Result | Close | Closed | Ping | Pong | Error | PartGet | Part | ChunkGet
+) | Chunk
 
 # --------------------------------------------------------------------------- encoding
 
@@ -221,6 +272,7 @@ def encode(msg: Message) -> list[Frame]:
                 dtype=msg.dtype,
                 hidden_size=msg.hidden_size,
                 max_context=msg.max_context,
+                model_fp=msg.model_fp,
             )
         ]
     if isinstance(msg, Opened):
@@ -295,6 +347,15 @@ def encode(msg: Message) -> list[Frame]:
         return [
             _header(ERROR, code=msg.code, message=msg.message, session=msg.session, step=msg.step)
         ]
+    if isinstance(msg, PartGet):
+        return [_header(PART_GET, dv=msg.dv)]
+    if isinstance(msg, Part):
+        head = _header(PART, dv=DELIVERY_VERSION, part_id=msg.part_id, sig=bytes(msg.signature))
+        return [head, msg.manifest]
+    if isinstance(msg, ChunkGet):
+        return [_header(CHUNK_GET, part_id=msg.part_id, file=msg.file, chunk=msg.chunk)]
+    if isinstance(msg, Chunk):
+        return [_header(CHUNK, part_id=msg.part_id, file=msg.file, chunk=msg.chunk), msg.data]
     raise TypeError(f"not a protocol message: {type(msg).__name__}")
 
 
@@ -462,7 +523,7 @@ def decode(frames: Sequence[Any]) -> Message:
     if t not in TYPES:
         raise _bad(f"unknown message type {t!r}")
     has_tensor = t in (STEP, RESULT) and (t == STEP or "shape" in h)
-    want_frames = 2 if has_tensor else 1
+    want_frames = 2 if has_tensor or t in (PART, CHUNK) else 1
     if len(frames) != want_frames:
         raise _bad(f"a '{t}' message has {want_frames} frame(s), got {len(frames)}")
     if t == OPEN:
@@ -481,6 +542,7 @@ def decode(frames: Sequence[Any]) -> Message:
             dtype=str(dt),
             hidden_size=_int(h, "hidden_size", 1, MAX_HIDDEN),
             max_context=_int(h, "max_context", 1, MAX_POSITION),
+            model_fp=_str(h, "model_fp", 128, optional=True),
         )
     if t == OPENED:
         return Opened(
@@ -548,6 +610,8 @@ def decode(frames: Sequence[Any]) -> Message:
             in_flight=_bool(h, "in_flight", False),
             stats=check_stats(h["stats"]) if "stats" in h else None,
         )
+    if t in (PART_GET, PART, CHUNK_GET, CHUNK):
+        return _decode_delivery(t, h, frames)
     # ERROR
     code = _str(h, "code", 64)
     step = h.get("step")
@@ -559,13 +623,60 @@ def decode(frames: Sequence[Any]) -> Message:
     )
 
 
+def _decode_delivery(t: str, h: dict[str, Any], frames: Sequence[Any]) -> Message:
+    if t == PART_GET:
+        dv = _int(h, "dv", 0, 1 << 16)
+        if dv != DELIVERY_VERSION:
+            raise ProtocolError(
+                E_VERSION,
+                f"model delivery version {dv} is not supported (this is {DELIVERY_VERSION})",
+            )
+        return PartGet(dv)
+    part_id = str(_str(h, "part_id", PART_ID_LEN))
+    if t == PART:
+        sig = h.get("sig")
+        if not isinstance(sig, bytes) or len(sig) != SIGNATURE_LEN:
+            raise _bad(f"field 'sig' must be {SIGNATURE_LEN} bytes")
+        manifest = _frame_bytes(frames[1])
+        if not 0 < len(manifest) <= MAX_MANIFEST:
+            raise _bad(f"a manifest has 1 to {MAX_MANIFEST} bytes, got {len(manifest)}")
+        return Part(part_id, manifest, sig)
+    file = _int(h, "file", 0, MAX_FILES - 1)
+    chunk = _int(h, "chunk", 0, 1 << 40)
+    if t == CHUNK_GET:
+        return ChunkGet(part_id, file, chunk)
+    data = _frame_bytes(frames[1])
+    if not 0 < len(data) <= MAX_CHUNK:
+        raise _bad(f"a chunk has 1 to {MAX_CHUNK} bytes, got {len(data)}")
+    return Chunk(part_id, file, chunk, data)
+
+
 # --------------------------------------------------------------------------- invites
 
 
-def make_invite(address: str, server_public_key: str) -> str:
-    """One pasteable string holding a server's address and CURVE public key."""
-    blob = json.dumps({"a": address, "k": server_public_key}, separators=(",", ":")).encode()
+def make_invite(address: str, server_public_key: str, sign_key: str | None = None) -> str:
+    """One pasteable string holding a server's address and CURVE public key (and the public
+    key that signs the model parts it ships, base64url, when it has one)."""
+    d = {"a": address, "k": server_public_key}
+    if sign_key:
+        d["s"] = sign_key
+    blob = json.dumps(d, separators=(",", ":")).encode()
     return INVITE_PREFIX + base64.urlsafe_b64encode(blob).decode().rstrip("=")
+
+
+def invite_sign_key(code: str) -> str | None:
+    """The model-signing public key an invite carries (None: an invite made before model
+    delivery, or a damaged code — :func:`parse_invite` reports that)."""
+    code = code.strip()
+    if not code.startswith(INVITE_PREFIX):
+        return None
+    body = code[len(INVITE_PREFIX) :]
+    try:
+        d = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+        s = d.get("s")
+    except Exception:
+        return None
+    return s if isinstance(s, str) and 40 <= len(s) <= 64 else None
 
 
 def curve_key_problem(key: object) -> str | None:

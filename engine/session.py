@@ -3,12 +3,14 @@ benchmark turn "model + local layers (+ server)" into a :class:`SplitRunner`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.errors import GenerationError
-from engine.loading import DEFAULT_MODEL, Progress
+from engine.loading import DEFAULT_MODEL, Progress, ResolvedModel
 from engine.split import ClientModel, SplitRunner, Trunk, load_client, load_trunk
 
 DTYPES = {
@@ -38,7 +40,8 @@ def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
 
 @dataclass
 class RunnerOptions:
-    model: str = DEFAULT_MODEL
+    # None: the server's model, fetched from it (with ``server``), else the embedded default
+    model: str | None = DEFAULT_MODEL
     local_layers: int = 2
     tail_layers: int | None = None
     server: str | None = None  # None: the trunk runs in this process
@@ -49,6 +52,9 @@ class RunnerOptions:
     client_quant: str = (
         "auto"  # the client's matrices: auto (GGUF kept quantized), none, int8, int4
     )
+    # asked before the server's model is downloaded: (manifest, bytes to fetch) -> go ahead?
+    confirm_download: Callable[[Any, int], bool] | None = None
+    fetched: Any = None  # set by open_runner: the server's part it loaded (InstalledPart)
 
 
 def open_trunk(client: ClientModel, opts: RunnerOptions, progress: Progress | None) -> Trunk | None:
@@ -71,8 +77,20 @@ def open_trunk(client: ClientModel, opts: RunnerOptions, progress: Progress | No
 
 
 def open_runner(opts: RunnerOptions, progress: Progress | None = None) -> SplitRunner:
+    spec: str | ResolvedModel = opts.model or DEFAULT_MODEL
+    if opts.model is None and opts.server:
+        from engine.delivery.client import check_local_layers, fetch_server_part
+
+        part = fetch_server_part(
+            opts.server,
+            insecure=opts.insecure,
+            confirm=opts.confirm_download,
+            progress=progress,
+        )
+        check_local_layers(part, opts.local_layers, opts.tail_layers)
+        opts.fetched, spec = part, part.resolved
     client = load_client(
-        opts.model,
+        spec,
         opts.local_layers,
         tail_layers=opts.tail_layers,
         dtype=parse_dtype(opts.dtype, opts.device),

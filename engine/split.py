@@ -400,7 +400,7 @@ class SplitRunner:
 
 
 def load_client(
-    spec: str,
+    spec: str | ResolvedModel,
     local_layers: int = 2,
     *,
     tail_layers: int | None = None,
@@ -416,7 +416,7 @@ def load_client(
     reference path), ``int8`` or ``int4`` (quantized at load, cached). ``warm_up``: run one
     token through it under a "preparing kernels" label (the app: the kernels' one-time
     compiles then happen while loading says so, not inside the first reply)."""
-    resolved = resolve(spec, progress)
+    resolved = spec if isinstance(spec, ResolvedModel) else resolve(spec, progress)
     config = load_config(resolved.folder)
     if tail_layers is None:
         plan = SplitPlan.symmetric(config.n_layers, local_layers)

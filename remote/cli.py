@@ -1,6 +1,7 @@
 """`veil-trunk`: serve the middle layers of a model to Veil clients over CurveZMQ.
 
-Commands: ``serve``, ``keygen``, ``allow``, ``revoke``, ``invite``, ``loadtest``, ``status``.
+Commands: ``serve``, ``keygen``, ``allow``, ``revoke``, ``invite``, ``loadtest``, ``status``,
+``part`` and ``audit`` (model delivery: ``remote/delivery_cli.py``).
 Logs go to stderr; errors are one line (``veil-trunk: error: ...``) and exit 2.
 """
 
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from remote import delivery_cli
 from remote.allowlist import AllowList, allow_line, line_key, parse_allow_list, write_atomically
 from remote.flags import finite_float, tcp_address_problem
 
@@ -231,6 +233,7 @@ def build_parser() -> Parser:
     from remote.cluster.options import add_serve_args
 
     add_serve_args(s)
+    delivery_cli.add_serve_args(s)
 
     k = sub.add_parser("keygen", help="make the server keypair (secret file mode 0600)")
     _keys_arg(k)
@@ -282,6 +285,7 @@ def build_parser() -> Parser:
     from remote import loadtest_cli
 
     loadtest_cli.add_parser(sub)
+    delivery_cli.add_parsers(sub, _keys_arg)
     return p
 
 
@@ -302,6 +306,8 @@ def keygen(d: Path, force: bool = False) -> str:
     try:
         d.mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o700)
+        (d / delivery_cli.SIGN_FILE).unlink(missing_ok=True)  # a new identity signs anew
+        delivery_cli.signing_key(d)
         for path, body in (
             (pub_p, f"public-key = {pub.decode()}\n"),
             (sec_p, f"public-key = {pub.decode()}\nsecret-key = {sec.decode()}\n"),
@@ -401,19 +407,23 @@ def revoke(d: Path, key: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.errors import VeilError
     from remote.server import ServerOptions, TrunkServer
 
     pub: str | None = None
     sec: str | None = None
+    sign: bytes | None = None
     allowed: AllowList | None = None
     if args.keys_from_stdin:
         try:
             d: dict[str, Any] = json.loads(sys.stdin.readline())
             pub, sec = str(d["public"]), str(d["secret"])
             allowed = AllowList(None, [str(k) for k in d.get("allow", [])])
+            sign = bytes.fromhex(str(d["sign"])) if d.get("sign") else None
         except Exception:
             raise CliError(
-                "--keys-from-stdin expects one JSON line with public, secret, allow"
+                "--keys-from-stdin expects one JSON line with public, secret, allow (and "
+                "optionally sign)"
             ) from None
         from engine.protocol import curve_key_problem
 
@@ -422,6 +432,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif not args.insecure:
         kd = args.keys or default_keys_dir()
         pub, sec = load_server_keys(kd)
+        sign = delivery_cli.serve_signing_key(kd)
         allowed = AllowList(kd / ALLOW_FILE)
         if not allowed.path or not allowed.path.is_file():
             log.warning("no client is allowed yet: run `veil-trunk allow CLIENT_PUBLIC_KEY`")
@@ -475,6 +486,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         batching=not args.no_batching,
         quant=args.quant,
+        **delivery_cli.serve_options(args, sign is not None),
     )
     if (
         opts.max_sessions < 1
@@ -494,9 +506,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "secret_key": sec.encode() if sec else None,
             "public_key": pub.encode() if pub else None,
             "allowed": allowed,
+            "signing_key": sign,
         }
         server = TrunkServer(opts, **keys) if cluster is None else _gateway(opts, cluster, keys)
-    except ValueError as exc:
+    except (ValueError, VeilError) as exc:
         raise CliError(str(exc)) from None
 
     def on_term(signum: int, frame: Any) -> None:
@@ -553,6 +566,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     d = args.keys or default_keys_dir()
     pub = keygen(d, args.force)
     print(f"server public key: {pub}")
+    print(f"model-signing key: {delivery_cli.sign_public(d)} (invites carry it)")
     print(f"saved in {d} (secret: {d / 'server.key_secret'}, mode 0600)")
     return 0
 
@@ -591,7 +605,7 @@ def cmd_invite(args: argparse.Namespace) -> int:
         raise CliError(f"--address must be the tcp://HOST:PORT clients connect to: {problem}")
     d = args.keys or default_keys_dir()
     pub, _ = load_server_keys(d)
-    print(make_invite(args.address, pub))
+    print(make_invite(args.address, pub, delivery_cli.sign_public(d)))
     return 0
 
 
@@ -628,6 +642,8 @@ COMMANDS = {
     "allow": cmd_allow,
     "revoke": cmd_revoke,
     "invite": cmd_invite,
+    "part": delivery_cli.cmd_part,
+    "audit": delivery_cli.cmd_audit,
 }
 
 
@@ -647,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except (CliError, VeilError) as exc:
+    except (CliError, VeilError, delivery_cli.DeliveryCliError) as exc:
         print(f"veil-trunk: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -34,6 +34,7 @@ from engine.config import ModelConfig
 from engine.loading import WeightReader, load_config, model_label, resolve, weights_fingerprint
 from engine.model import layer_tensor_names
 from engine.quant.load import client_reader, fallback_summary, gguf_weights_of, resolve_quant
+from remote.delivery import DeliveryService, make_delivery
 from remote.gate import ZAP_DOMAIN, ConnectionGate, ZapHandler
 from remote.limits import ClientLimits, with_admin
 from remote.netguard import HANDSHAKE_S, ConnectionGuard
@@ -79,6 +80,13 @@ class ServerOptions:
     batching: bool = True
     quant: str = "auto"  # trunk matrices on CPU: auto (GGUF kept quantized), none, int8, int4
     silent_s: float = 10.0  # a session with steps in flight whose client said nothing this long
+    # model delivery (remote/delivery.py): ship the client part to clients that ask for it
+    delivery: bool = False
+    client_layers: int | None = None  # the most local layers per side shipped (None: max(M, 2))
+    client_part: str | None = None  # a prepared part folder to ship instead of making one
+    parts_dir: str | None = None  # where parts are made (None: the user cache)
+    draft_head: str | None = None  # the draft head file to ship (None: the model's own, if any)
+    part_chunk: int = P.MAX_CHUNK  # bytes per chunk of the part's files
 
 
 @dataclass
@@ -121,6 +129,7 @@ class TrunkServer:
         public_key: bytes | None = None,
         allowed: Callable[[str], bool] | None = None,
         progress: Callable[[str, float], None] | None = None,
+        signing_key: bytes | None = None,
     ) -> None:
         if opts.insecure and not _is_loopback(opts.bind):
             raise ValueError("--insecure (plain TCP) is only allowed on a loopback address")
@@ -165,6 +174,9 @@ class TrunkServer:
         self.stats = {"steps": 0, "errors": 0, "opened": 0}
         self.gate = ConnectionGate(self.allowed, opts.insecure)  # socket thread: the allow-list
         self.limits = ClientLimits(self.config.hidden_size, opts.max_sessions_per_client)
+        self.delivery: DeliveryService | None = None
+        if opts.delivery:
+            self.delivery = make_delivery(self, signing_key)
 
     def _make_worker(self) -> Backend:
         """What computes the steps: the trunk layers, read once, and a batching worker over them.
@@ -295,6 +307,9 @@ class TrunkServer:
         for s in (sock, back, guard.monitor, guard.fileno, self.zap and self.zap.sock):
             if s is not None:
                 poller.register(s, zmq.POLLIN)
+        parts = self.delivery.bind(self.ctx) if self.delivery is not None else None
+        if parts is not None:
+            poller.register(parts, zmq.POLLIN)
         self.ready.set()
         last_reap = time.monotonic()
         try:
@@ -307,6 +322,8 @@ class TrunkServer:
                         except zmq.Again:
                             break
                         self._deliver(sock, frames)
+                if parts is not None and parts in events:
+                    self._forward_parts(sock, parts)
                 if sock in events or guard.wants_drain:
                     self._read(sock, guard)
                 if self.zap is not None:
@@ -321,6 +338,10 @@ class TrunkServer:
                         self.zap.refused.flush()
         finally:
             self.worker.stop()
+            if self.delivery is not None:
+                self.delivery.stop()
+            if parts is not None:
+                parts.close(0)
             if self._out is not None:
                 self._out.close(0)
             back.close(0)
@@ -368,6 +389,17 @@ class TrunkServer:
         self.stats["errors"] += 1
         log.debug("error %s: %s", code, message)
         self._reply(sock, ident, P.Error(code, message, session, step))
+
+    def _forward_parts(self, sock: zmq.Socket, parts: zmq.Socket) -> None:
+        """Send the delivery thread's chunk replies, unless the key was revoked meanwhile."""
+        while True:
+            try:
+                frames = parts.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            user, out = DeliveryService.forward(frames)
+            if self.gate.key_allowed(user):
+                self._send(sock, out)
 
     def _deliver(self, sock: zmq.Socket, frames: list[Any]) -> None:
         """Push a worker reply ([session id, routing id when computed, *message]) to the
@@ -441,6 +473,13 @@ class TrunkServer:
             t0 = time.thread_time()
             self._step(sock, ident, user, msg)
             self.limits.checks.charge(client, time.thread_time() - t0, now)
+        elif isinstance(msg, P.PartGet | P.ChunkGet):
+            if self.delivery is None:
+                self._error(sock, ident, P.E_PART, "this server does not ship its model")
+                return
+            reply = self.delivery.handle(ident, user, msg)
+            if reply is not None:
+                self._reply(sock, ident, reply)
         elif isinstance(msg, P.Close):
             s = self._owned(msg.session, ident, user)
             if s is None:
@@ -474,6 +513,16 @@ class TrunkServer:
             return
         if m.hidden_size != self.config.hidden_size:
             self._error(sock, ident, P.E_SHAPE, "hidden size does not match the model")
+            return
+        shipped = self.delivery.manifest.model_fp[1] if self.delivery is not None else None
+        if m.model_fp is not None and shipped is not None and m.model_fp != shipped:
+            self._error(
+                sock,
+                ident,
+                P.E_FINGERPRINT,
+                f"this server's model changed since this computer got it (it now runs "
+                f"{self.model_label})",
+            )
             return
         if m.weights_fp is not None and m.weights_fp != self.weights_fp(m.start, m.end):
             self._error(

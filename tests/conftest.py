@@ -22,6 +22,8 @@ def _isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory) -> None:
     """
     os.environ["VEIL_DATA_DIR"] = str(tmp_path_factory.mktemp("veil-data"))
     os.environ["VEIL_LOG_DIR"] = str(tmp_path_factory.mktemp("veil-log"))
+    # client parts a test server makes (remote/delivery.py) stay out of the user cache
+    os.environ["VEIL_TRUNK_PARTS"] = str(tmp_path_factory.mktemp("veil-trunk-parts"))
 
 
 @pytest.fixture(scope="session")

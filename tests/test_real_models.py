@@ -65,12 +65,14 @@ def _check(path: Path, new_tokens: int) -> None:
     assert generate_speculative(split, ids, params).token_ids == seq
 
 
+@pytest.mark.usefixtures("exact_float")  # transformers dequantizes: compare that arithmetic
 def test_gemma3_270m_matches_transformers() -> None:
     """Gemma 3: 18 layers, every 6th global (rope base 1M) and the rest sliding (512, base
     10k), 262k vocabulary, Q5_0/Q8_0/Q4_K/Q6_K blocks."""
     _check(_file("gemma3-270m"), 24)
 
 
+@pytest.mark.usefixtures("exact_float")
 def test_qwen25_coder_1_5b_matches_transformers() -> None:
     """Qwen2.5-Coder-1.5B-Instruct: 28 layers, GQA 12/2, q/k/v biases, Q4_K/Q6_K blocks."""
     _check(_file("qwen2.5-coder-1.5b"), 16)

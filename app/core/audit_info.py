@@ -73,16 +73,20 @@ def _shipped(model_name: str) -> dict[str, Any] | None:
 
 
 def latest(model_name: str) -> dict[str, Any] | None:
-    """The user's latest audit of this model, else the one shipped with Veil, else None."""
+    """The user's latest audit of this model, else the one that came with the organisation's
+    model from its server, else the one shipped with Veil, else None."""
     store = _store()
     if store is None:
         return None
-    try:
-        own = store.latest_results(model_name)
-    except Exception as exc:  # a broken audit file never breaks the app
-        log.warning("reading the audit of %s: %s", model_name, exc)
-        own = None
-    return own if own is not None else _shipped(model_name)
+    for file in (store.RESULTS_FILE, getattr(store, "DELIVERED_FILE", None)):
+        try:
+            found = store.latest_results(model_name, file) if file else None
+        except Exception as exc:  # a broken audit file never breaks the app
+            log.warning("reading the audit of %s: %s", model_name, exc)
+            found = None
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+    return _shipped(model_name)
 
 
 def figure(model_name: str, k: int) -> AuditFigure:

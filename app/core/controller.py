@@ -30,10 +30,11 @@ from app.core.engine_host import (
 from app.core.gauges import GaugeState, human_bytes, local_weight_bytes, max_local_layers
 from app.core.paths import data_dir
 from app.core.privacy import PrivacyView, describe, fully_local, setting_words
-from app.core.settings import MODE_DEMO, MODE_SERVER, Settings
+from app.core.settings import MODE_DEMO, MODE_SERVER, SERVER_MODEL, Settings
 from app.core.storage import Store
 from app.core.tasks import Event, Executor, Task, TaskContext
 from engine.errors import VeilError
+from engine.loading import DEFAULT_MODEL
 
 
 def _where(model: str, mode: str, invite: str) -> tuple[str, str, str]:
@@ -142,6 +143,8 @@ class AppController:
     def choose_demo(self) -> None:
         new = copy.copy(self.settings)
         new.first_run_done, new.mode = True, MODE_DEMO
+        if new.model == SERVER_MODEL:
+            new.model = DEFAULT_MODEL
         self.apply_settings(new)
 
     def choose_server(self, invite: str) -> None:
@@ -151,6 +154,7 @@ class AppController:
             raise VeilError("paste the invite code first", hint="your IT department has it")
         new = copy.copy(self.settings)
         new.first_run_done, new.mode, new.invite = True, MODE_SERVER, invite
+        new.model = SERVER_MODEL  # staff never handle model files: it comes from the server
         self.apply_settings(new)
 
     def sync_api(self) -> None:
@@ -249,6 +253,8 @@ class AppController:
     def model_name(self) -> str:
         if self.host.runner is not None:
             return str(self.host.runner.client.name)
+        if self.host.part is not None:  # the organisation's model, from its server
+            return self.host.part.manifest.model
         spec = self.settings.model.strip()
         return spec if "/" in spec else spec.lower()
 

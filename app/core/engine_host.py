@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from app.core.gauges import local_weight_bytes, max_local_layers, process_memory_bytes
-from app.core.settings import MODE_DEMO, MODE_IN_PROCESS, MODE_SERVER
+from app.core.settings import MODE_DEMO, MODE_IN_PROCESS, MODE_SERVER, SERVER_MODEL
 from engine.config import ModelConfig
-from engine.errors import TransportError, VeilError
+from engine.errors import FingerprintMismatch, TransportError, VeilError
 from engine.generate import CancelToken, GenerationResult, Prefill, available_decoders, generate
-from engine.loading import Progress, load_config, resolve
+from engine.loading import Progress, ResolvedModel, load_config, resolve
 from engine.sampling import SamplingParams
 from engine.session import parse_dtype
 from engine.split import ClientModel, SplitPlan, SplitRunner, Trunk, load_client, load_trunk
@@ -255,6 +255,9 @@ class EngineHost:
         self.state = IDLE
         self.last_error = ""
         self._lock = threading.RLock()  # held by the worker while it uses the runner
+        self.part: Any = None  # the organisation's model from its server (InstalledPart)
+        # asked (on the worker thread) before that model is downloaded: (manifest, bytes) -> go?
+        self.confirm_download: Callable[[Any, int], bool] | None = None
 
     # --- cheap, GUI thread ------------------------------------------------------------------
 
@@ -264,7 +267,32 @@ class EngineHost:
 
     @property
     def max_k(self) -> int | None:
-        return max_local_layers(self.config) if self.config else None
+        if not self.config:
+            return None
+        if self.part is not None:  # the server's part holds local layers up to its k_max
+            return min(max_local_layers(self.config), self.part.manifest.k_max)
+        return max_local_layers(self.config)
+
+    @property
+    def uses_server_model(self) -> bool:
+        return self.mode == MODE_SERVER and self.model == SERVER_MODEL
+
+    def _spec(self, progress: Progress | None = None) -> str | ResolvedModel:
+        """What the loaders read: the server's part (fetched when needed) or the model."""
+        if not self.uses_server_model:
+            return self.model
+        if self.part is None:
+            from engine.delivery.client import fetch_server_part
+
+            self._check_invite()
+            o = CONNECT_OPTS
+            self.part = fetch_server_part(
+                self.invite,
+                confirm=self.confirm_download,
+                progress=progress,
+                timeout_s=o["connect_timeout_s"],
+            )
+        return self.part.resolved  # type: ignore[no-any-return]
 
     def request_split(self, k: int) -> None:
         """Use ``k`` local layers per side from the next message on."""
@@ -277,6 +305,7 @@ class EngineHost:
             self.model, self.mode, self.invite = model, mode, invite
             self.shutdown_blocking()
             self.config = None
+            self.part = None
             self.state = IDLE
 
     def memory_for_k(self, k: int) -> int | None:
@@ -291,7 +320,8 @@ class EngineHost:
         if dtype.lower() == "auto":
             dtype = str(default_dtype(self.device)).removeprefix("torch.")
         try:
-            return client_weight_bytes(resolve(self.model), self.config, k, "auto", dtype)
+            spec = self.part.resolved if self.part is not None else resolve(self.model)
+            return client_weight_bytes(spec, self.config, k, "auto", dtype)
         except VeilError:
             return local_weight_bytes(self.config, k, dtype)
 
@@ -317,19 +347,27 @@ class EngineHost:
 
     def read_config_blocking(self, progress: Progress | None = None) -> ModelConfig:
         if self.config is None:
-            self.config = load_config(resolve(self.model, progress).folder)
+            spec = self._spec(progress)
+            folder = (
+                spec.folder if isinstance(spec, ResolvedModel) else resolve(spec, progress).folder
+            )
+            self.config = load_config(folder)
         return self.config
 
-    def ensure_ready_blocking(self, progress: Progress | None = None) -> SplitRunner:
+    def ensure_ready_blocking(
+        self, progress: Progress | None = None, *, refetch: bool = True
+    ) -> SplitRunner:
         """Load the model, apply the wanted split and connect the trunk, as needed."""
         with self._lock:
             cfg = self.read_config_blocking(progress)
-            k = max(1, min(self.wanted_k, max_local_layers(cfg)))
+            k = max(1, min(self.wanted_k, self.max_k or max_local_layers(cfg)))
+            if self.part is not None:
+                k = max(k, self.part.manifest.k_min)
             plan = SplitPlan.symmetric(cfg.n_layers, k)
             if self.runner is None:
                 self.state = LOADING
                 client = load_client(
-                    self.model,
+                    self._spec(progress),
                     k,
                     dtype=parse_dtype(self.dtype),
                     device=self.device,
@@ -357,6 +395,13 @@ class EngineHost:
                     )
                 try:
                     runner.trunk = self.source.open(runner.client, progress)
+                except FingerprintMismatch:
+                    if not (refetch and self.uses_server_model and self.part is not None):
+                        raise
+                    # the admin changed the server's model: get the new one, once
+                    log.info("the server's model changed; fetching the new one")
+                    self.runner, self.config, self.part = None, None, None
+                    return self.ensure_ready_blocking(progress, refetch=False)
                 except VeilError as exc:
                     self.state = OFFLINE
                     self.last_error = str(exc)

@@ -15,6 +15,8 @@ from engine.sampling import SamplingParams
 MODE_DEMO = "demo"  # a veil-trunk child process on this computer ("Try it on this computer")
 MODE_SERVER = "server"  # the organization's server, from an invite code
 MODE_IN_PROCESS = "in-process"  # trunk layers in this process (tests, no remote module)
+# The model setting that means "the organisation's model, downloaded from its server"
+SERVER_MODEL = "@server"
 
 THEMES = ("system", "light", "dark")
 FONT_SIZES = (8, 20)  # the text sizes Settings offers (points); the layout is tested at both ends
@@ -65,6 +67,11 @@ class Settings:
         if self.mode == MODE_SERVER and not self.invite.strip():
             raise VeilError(
                 "no invite code", hint="paste the invite code your IT department gave you"
+            )
+        if self.model == SERVER_MODEL and self.mode != MODE_SERVER:
+            raise VeilError(
+                "the server's model needs your organization's server",
+                hint="choose the built-in model or a model file for the demo",
             )
         if self.mode == MODE_SERVER and check_invite:
             problem = invite_problem(self.invite)

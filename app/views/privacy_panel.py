@@ -121,6 +121,7 @@ class PrivacyPanel(QFrame):
         self.buttons.addWidget(self.details_button)
         self.buttons.addWidget(self.run_button)
         lay.addLayout(self.buttons)
+        self._server_model = False  # the run button is off for the server's model
         self.audit_status = _small()
         self.audit_status.setAccessibleName("Privacy audit status")
         self.audit_status.hide()
@@ -184,6 +185,14 @@ class PrivacyPanel(QFrame):
             if v.local
             else "Measure on this computer how many words a server could recover"
         )
+        server_model = self.app.host.uses_server_model  # measured on the server, whole model
+        if server_model:
+            self.run_button.setToolTip(
+                "Your organization's model comes with its audit, measured on its server"
+            )
+        if server_model or self._server_model:  # (a running audit keeps it off otherwise)
+            self.run_button.setEnabled(not server_model)
+            self._server_model = server_model
         applied = self.app.host.applied_k
         # a message sent since the change uses it (the note goes), a change made while a reply
         # is written waits for the next message (the note stays)

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QLineEdit,
+    QMenu,
     QPushButton,
     QRadioButton,
     QTabWidget,
@@ -27,7 +28,7 @@ from app.core.api_host import api_available
 from app.core.chat import REGENERATE_NOTE
 from app.core.invite import advice, invite_address, invite_problem
 from app.core.invite_check import ServerCheck
-from app.core.settings import FONT_SIZES, MODE_DEMO, MODE_SERVER, THEMES, Settings
+from app.core.settings import FONT_SIZES, MODE_DEMO, MODE_SERVER, SERVER_MODEL, THEMES, Settings
 from app.views.error_banner import ErrorBanner
 from app.views.invite_checker import Check, InviteChecker
 from app.views.number_field import DecimalField, NumberField, with_note
@@ -146,20 +147,36 @@ class SettingsDialog(QDialog):
         row = QHBoxLayout()
         self.model = QLineEdit(s.model)
         self.model.setAccessibleName("Model")
-        browse = QPushButton("Browse…")
-        browse.setAccessibleName("Choose a model file")
-        browse.clicked.connect(self._browse)
+        self.model.setToolTip(
+            f"{DEFAULT_MODEL} (built in), a model folder, a .gguf file, or {SERVER_MODEL}: "
+            "your organization's model, downloaded from its server"
+        )
+        self.browse = QPushButton("Browse…")
+        self.browse.setAccessibleName("Choose a model file or folder")
+        browse_menu = QMenu(self.browse)
+        browse_menu.addAction("A model file (.gguf)…", self._browse)
+        browse_menu.addAction("A model folder…", self._browse_folder)
+        self.browse.setMenu(browse_menu)
         reset = QPushButton("Built-in")
         reset.setAccessibleName("Use the built-in model")
         reset.clicked.connect(lambda: self.model.setText(DEFAULT_MODEL))
+        self.server_model = QPushButton("Server's")
+        self.server_model.setAccessibleName("Use your organization's model from its server")
+        self.server_model.setToolTip(
+            "Your organization's model: downloaded from its server on first connect"
+        )
+        self.server_model.clicked.connect(lambda: self.model.setText(SERVER_MODEL))
+        self.server_model.setEnabled(self.server_radio.isChecked())
+        self.server_radio.toggled.connect(self.server_model.setEnabled)
         # the built-in name fits whole at every text size; a path shows its file name
         self.model.ensurePolished()  # the theme's text size
         self.model.setMinimumWidth(self.model.fontMetrics().horizontalAdvance(DEFAULT_MODEL) + 40)
         self.model.textChanged.connect(self._show_model_name)
         self._show_model_name(s.model)
         row.addWidget(self.model, 1)
-        row.addWidget(browse)
+        row.addWidget(self.browse)
         row.addWidget(reset)
+        row.addWidget(self.server_model)
         ml.addRow("Model:", row)
         self.notes: list[QLabel] = []
         self._adjusted = False
@@ -249,6 +266,8 @@ class SettingsDialog(QDialog):
         # an invite typed while trying the server option is not kept when the demo is chosen
         s.invite = self.invite.text().strip() if s.mode == MODE_SERVER else self.original.invite
         s.model = self.model.text().strip() or DEFAULT_MODEL
+        if s.model == SERVER_MODEL and s.mode != MODE_SERVER:
+            s.model = DEFAULT_MODEL  # the demo runs the built-in model
         s.temperature = round(self.temperature.value(), 2)
         s.top_p = round(self.top_p.value(), 2)
         s.repetition_penalty = round(self.repetition.value(), 2)
@@ -376,6 +395,12 @@ class SettingsDialog(QDialog):
 
     def _browse(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Choose a model", "", "GGUF model (*.gguf)")
+        if path:
+            self.model.setText(path)
+
+    def _browse_folder(self) -> None:
+        """A model folder (config.json and safetensors weights) for fully local use."""
+        path = QFileDialog.getExistingDirectory(self, "Choose a model folder")
         if path:
             self.model.setText(path)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_FILE = "results.json"
+DELIVERED_FILE = "delivered.json"  # the audit that came with the organisation's model
 
 
 def data_root() -> Path:
@@ -38,22 +39,35 @@ def results_dir(model_name: str) -> Path:
     return data_root() / "audits" / _safe(model_name)
 
 
-def save_results(results: dict[str, Any], files: dict[str, Path] | None = None) -> Path:
-    """Store ``results`` (and copies of extra files such as the plot) as the model's latest."""
+def _write(results: dict[str, Any], file: str) -> Path:
     out = results_dir(str(results["model"]))
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (RESULTS_FILE + ".tmp")
+    tmp = out / (file + ".tmp")
     tmp.write_text(json.dumps(results, indent=1), encoding="utf-8")
-    tmp.replace(out / RESULTS_FILE)
+    tmp.replace(out / file)
+    return out
+
+
+def save_results(results: dict[str, Any], files: dict[str, Path] | None = None) -> Path:
+    """Store ``results`` (and copies of extra files such as the plot) as the model's latest."""
+    out = _write(results, RESULTS_FILE)
     for name, src in (files or {}).items():
         if src.is_file() and src.resolve() != (out / name).resolve():
             (out / name).write_bytes(src.read_bytes())
     return out
 
 
-def latest_results(model_name: str) -> dict[str, Any] | None:
-    """The latest stored audit of ``model_name``, or None if there is none (or it is unreadable)."""
-    path = results_dir(model_name) / RESULTS_FILE
+def save_delivered(results: dict[str, Any]) -> Path:
+    """Store the audit that came with a model from the trunk server (measured there, for the
+    served model and its split range), beside any audit of the user's own."""
+    return _write(results, DELIVERED_FILE) / DELIVERED_FILE
+
+
+def latest_results(model_name: str, file: str = RESULTS_FILE) -> dict[str, Any] | None:
+    """The latest stored audit of ``model_name`` (``file``: the user's own, or
+    :data:`DELIVERED_FILE` for the one that came with the model), or None if there is none (or
+    it is unreadable)."""
+    path = results_dir(model_name) / file
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

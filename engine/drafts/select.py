@@ -8,6 +8,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from engine.delivery.part import HEAD_FILE
 from engine.drafts.head import (
     DraftHead,
     DraftHeadError,
@@ -26,8 +27,24 @@ def client_fingerprint(client: Any) -> tuple[str, str]:
     """The model fingerprint of a :class:`engine.split.ClientModel` (computed once)."""
     fp = _FINGERPRINTS.get(client)
     if fp is None:
-        fp = _FINGERPRINTS[client] = model_fingerprint(client.reader, client.config)
+        fp = _delivered_fingerprint(client) or model_fingerprint(client.reader, client.config)
+        _FINGERPRINTS[client] = fp
     return fp
+
+
+def _delivered_fingerprint(client: Any) -> tuple[str, str] | None:
+    """The whole model's fingerprint for a client part from the trunk server: the part lacks
+    the trunk's tensors, so it is taken from the part's signed manifest (None otherwise)."""
+    from engine.delivery.fetch import part_info
+
+    resolved = getattr(client, "resolved", None)
+    if resolved is None or type(client.reader).__name__ == "OverlayReader":
+        return None
+    info = part_info(resolved.folder)
+    fp = info.get("model_fp") if info else None
+    if not isinstance(fp, list) or len(fp) != 2 or fp[0] != client.config.fingerprint():
+        return None
+    return str(fp[0]), str(fp[1])
 
 
 def check_split(head: DraftHead, client: Any) -> str | None:
@@ -58,7 +75,12 @@ def auto_head(client: Any) -> DraftHead | None:
     if client in _AUTO:
         return _AUTO[client]
     head = None
-    path = find_shipped_head(client.config.fingerprint())
+    resolved = getattr(client, "resolved", None)
+    delivered = Path(resolved.folder) / HEAD_FILE if resolved is not None else None
+    if delivered is not None and delivered.is_file():
+        path: Path | None = delivered  # the head that came with the server's model
+    else:
+        path = find_shipped_head(client.config.fingerprint())
     if path is not None:
         try:
             head = load_head(path, client_fingerprint(client))

@@ -26,6 +26,16 @@ def client_fingerprint(client: ClientModel) -> tuple[str, str | None]:
     return client.config.fingerprint(), None
 
 
+def part_model_fp(client: ClientModel) -> str | None:
+    """The whole model's weights fingerprint of a client part from the server (None for a
+    model loaded from a file), so a server that now ships another model refuses the session."""
+    from engine.delivery.fetch import part_info
+
+    info = part_info(client.resolved.folder)
+    fp = info.get("model_fp") if info else None
+    return str(fp[1]) if isinstance(fp, list) and len(fp) == 2 else None
+
+
 def resolve_server(server: str) -> tuple[str, str | None]:
     """(address, server key or None) from an address or an invite code."""
     s = server.strip()
@@ -62,6 +72,31 @@ def _is_loopback(address: str) -> bool:
     return host in ("127.0.0.1", "localhost", "[::1]") or host.startswith("127.")
 
 
+def pick_keys(
+    address: str,
+    invite_key: str | None,
+    server_key: str | None,
+    client_keys: tuple[str, str] | None,
+    insecure: bool,
+) -> tuple[str | None, tuple[str, str] | None, str | None]:
+    """(server key, client keypair, the server key saved before) for a connection: given
+    keys first, else the invite's server key or the saved one, and this computer's keypair."""
+    from engine import keys as K
+
+    if insecure:
+        if not _is_loopback(address):
+            raise TransportError("plain TCP (insecure) is only allowed to a loopback address")
+        return None, None, None
+    saved = None if server_key else K.server_key(address)
+    skey = server_key or invite_key or saved
+    if skey is None:
+        hint = "connect once with its invite code (veil-trunk invite prints it)"
+        if _is_loopback(address):
+            hint += "; for a `veil-trunk serve --insecure` on this computer add --insecure"
+        raise TransportError(f"no key is saved for the trunk server at {address}", hint=hint)
+    return skey, client_keys or K.client_keypair(), saved
+
+
 def connect_trunk(
     server: str,
     client: ClientModel,
@@ -87,24 +122,8 @@ def connect_trunk(
     ``veil-trunk serve --insecure``) is refused off loopback. ``wire_dtype`` defaults to
     ``$VEIL_WIRE_DTYPE`` or float16; ``step_timeout_s`` to ``$VEIL_STEP_TIMEOUT`` or 60 s.
     """
-    from engine import keys as K
-
     address, invite_key = resolve_server(server)
-    saved: str | None = None
-    if insecure:
-        if not _is_loopback(address):
-            raise TransportError("plain TCP (insecure) is only allowed to a loopback address")
-        skey, ckeys = None, None
-    else:
-        if not server_key:
-            saved = K.server_key(address)
-        skey = server_key or invite_key or saved
-        if skey is None:
-            hint = "connect once with its invite code (veil-trunk invite prints it)"
-            if _is_loopback(address):
-                hint += "; for a `veil-trunk serve --insecure` on this computer add --insecure"
-            raise TransportError(f"no key is saved for the trunk server at {address}", hint=hint)
-        ckeys = client_keys or K.client_keypair()
+    skey, ckeys, saved = pick_keys(address, invite_key, server_key, client_keys, insecure)
     if progress is not None:
         progress("connecting to the trunk server", 0.0)
     start, end = client.plan.trunk_range
@@ -118,6 +137,7 @@ def connect_trunk(
         hidden_size=client.config.hidden_size,
         config_fp=config_fp,
         weights_fp=weights_fp,
+        model_fp=part_model_fp(client),
         max_context=max_context or client.config.max_position_embeddings,
         wire_dtype=wire_dtype or os.environ.get("VEIL_WIRE_DTYPE") or "float16",
         timeout_s=timeout_s,

@@ -88,6 +88,7 @@ class RemoteTrunk(Link):
         hidden_size: int,
         config_fp: str,
         weights_fp: str | None,
+        model_fp: str | None = None,
         max_context: int = 4096,
         wire_dtype: str = "float16",
         timeout_s: float = 10.0,
@@ -135,6 +136,7 @@ class RemoteTrunk(Link):
         self.hidden_size = hidden_size
         self.config_fp = config_fp
         self.weights_fp = weights_fp
+        self.model_fp = model_fp
         self.max_context = max_context
         self.wire_dtype = wire
         self.wire_torch = P.WIRE_DTYPES[self.wire_dtype]
@@ -177,8 +179,8 @@ class RemoteTrunk(Link):
         if e.code == P.E_FINGERPRINT:
             return FingerprintMismatch(
                 e.message,
-                hint="choose the server's model (the same file) in Settings or with --model, "
-                "or ask the server's admin which model it serves",
+                hint="use the server's own model: leave out --model (in the app: Settings, Model, "
+                "Server's), or choose the same model file the server serves",
             )
         if e.code == P.E_RANGE:
             return SplitError(e.message, hint="choose --local-layers so the trunk fits the server")
@@ -203,6 +205,7 @@ class RemoteTrunk(Link):
             self.wire_dtype,
             self.hidden_size,
             self.max_context,
+            self.model_fp,
         )
         deadline = time.monotonic() + timeout_s
         sent = False
