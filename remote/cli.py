@@ -226,6 +226,13 @@ def build_parser() -> Parser:
         "a 4-bit file)",
     )
     s.add_argument(
+        "--exact-float",
+        action="store_true",
+        help="multiply the trunk's quantized weights with float activations: exactly the "
+        "dequantized model's arithmetic, ~2x slower on a CPU (default: activations rounded to "
+        "int8 per block of 32, llama.cpp's rule; clients choose theirs the same way)",
+    )
+    s.add_argument(
         "--insecure",
         action="store_true",
         help="plain TCP without encryption or client keys; loopback addresses only",
@@ -454,6 +461,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         device_type = ""
     if device_type not in ("cpu", "cuda"):
         raise CliError(f"--device: unknown device {args.device!r} (use cpu, cuda or cuda:N)")
+    if args.exact_float:
+        from engine import kernels
+
+        os.environ["VEIL_INT8_ACTIVATIONS"] = "0"  # Ray replicas and other children too
+        kernels.set_int8_activations(False)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.kernel_threads:
