@@ -1,16 +1,19 @@
 """Fully local decode speed and peak memory: Veil vs llama.cpp on the same GGUF file.
 
     python bench/local_vs_llamacpp.py [--model GGUF] [--prompts FILE] [--max-new-tokens 128]
-                                      [--threads 2] [--n 4] [--veil-modes auto,none]
+                                      [--threads 2] [--n 4] [--veil-modes auto,auto+exact,none]
+                                      [--decoder sequential|speculative]
                                       [--out bench-out/local_vs_llamacpp.json]
 
 Each engine runs in its own child process per prompt (so peak RSS is that engine's alone), the
 engines interleaved prompt by prompt so both see the same machine load. Greedy, the same chat
 prompt token ids for both. llama.cpp is ``llama-cpp-python`` (not a Veil dependency; skipped if
-it is not importable). Veil runs ``--local-layers`` = half the layers (fully local) with the
-sequential decoder, each ``--veil-modes`` entry being a ``--client-quant`` choice: ``auto``
-keeps the GGUF's own quantized blocks, ``none`` is the float32 reference; a ``+i8a`` suffix
-multiplies with int8 activations.
+it is not importable). Veil runs ``--local-layers`` = half the layers (fully local) with
+``--decoder`` (sequential by default; speculative is what ``veil generate`` uses), each
+``--veil-modes`` entry being a ``--client-quant`` choice: ``auto`` keeps the GGUF's own quantized
+blocks (multiplied with int8 activations, the default arithmetic), ``none`` is the float32
+reference; a ``+exact`` suffix multiplies with float activations (``--exact-float``), ``+i8a``
+(the old name of the default) with int8 ones.
 
 Decode tokens/s = (generated tokens - 1) / (time from the first generated token to the last).
 Run it under the shared CPU lock.
@@ -52,7 +55,9 @@ def child_llamacpp(model: str, ids: list[int], n_new: int, threads: int) -> dict
     return {"tokens": out, "decode_s": t_end - t_first}
 
 
-def child_veil(model: str, ids: list[int], n_new: int, threads: int, quant: str) -> dict[str, Any]:
+def child_veil(
+    model: str, ids: list[int], n_new: int, threads: int, quant: str, decoder: str
+) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -63,15 +68,14 @@ def child_veil(model: str, ids: list[int], n_new: int, threads: int, quant: str)
     from engine.split import SplitRunner, load_client
 
     kernels.set_threads(threads)
-    if quant.endswith("+i8a"):  # int8 activations
-        kernels.set_int8_activations(True)
-        quant = quant[: -len("+i8a")]
+    quant, _, arith = quant.partition("+")
+    kernels.set_int8_activations(arith != "exact")  # int8 activations unless "+exact"
     cfg = load_config(resolve(model).folder)
     client = load_client(model, (cfg.n_layers + 1) // 2, client_quant=quant)
     runner = SplitRunner(client, None)
     generate(runner, ids[:8], SamplingParams(max_new_tokens=4))  # compile / warm up
     runner.reset()
-    res = generate(runner, ids, SamplingParams(max_new_tokens=n_new), decoder="sequential")
+    res = generate(runner, ids, SamplingParams(max_new_tokens=n_new), decoder=decoder)
     return {
         "tokens": res.token_ids,
         "decode_s": res.stats.decode_s,
@@ -85,7 +89,9 @@ def child_main(spec: str) -> None:
     if job["engine"] == "llama.cpp":
         out = child_llamacpp(job["model"], job["ids"], job["n_new"], job["threads"])
     else:
-        out = child_veil(job["model"], job["ids"], job["n_new"], job["threads"], job["quant"])
+        out = child_veil(
+            job["model"], job["ids"], job["n_new"], job["threads"], job["quant"], job["decoder"]
+        )
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("RESULT " + json.dumps(out))
 
@@ -112,7 +118,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n", type=int, default=4, help="prompts to run (from the top)")
-    ap.add_argument("--veil-modes", default="auto,none")
+    ap.add_argument("--veil-modes", default="auto,auto+exact,none")
+    ap.add_argument("--decoder", default="sequential", choices=("sequential", "speculative"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.child:
@@ -138,7 +145,7 @@ def main() -> int:
         row: dict[str, Any] = {"id": p["id"], "prompt_tokens": len(ids)}
         for eng, mode in engines:
             job = {"engine": eng, "model": model, "ids": ids, "n_new": args.max_new_tokens}
-            job |= {"threads": args.threads, "quant": mode}
+            job |= {"threads": args.threads, "quant": mode, "decoder": args.decoder}
             r = run_child(job)
             key = eng if eng == "llama.cpp" else f"veil-{mode}"
             n = len(r["tokens"])
