@@ -319,7 +319,7 @@ def test_a_key_reads_only_its_own_statistics(folder: Path) -> None:
         assert "37" not in repr(seen)
         assert seen["scope"] == "own" and seen["sessions"] == 0 and seen["steps"] == 0
         assert seen["batch_rows_hist"] == {} and seen["busy_s"] == 0
-        assert seen["model"] == srv.model_name and seen["max_batch_rows"] == 256  # settings
+        assert seen["model"] == srv.model_label and seen["max_batch_rows"] == 256  # settings
         mine = stats(v)  # the victim sees its own work
         assert mine["batch_rows_hist"] == {"37": 1} and mine["sessions"] == 1
         everyone = stats(admin)  # the server's own key: the admin's view
