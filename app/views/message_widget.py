@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
 from app.core.long_message import preview, show_all_text
 from app.core.markdown import Segment, keep_line_breaks, segments
 from app.core.storage import Message
+from app.core.summarise import summary_note
 from app.views.safe_markdown import markdown_html
 from app.views.theme import later, set_icon
 
@@ -169,6 +170,9 @@ class MessageWidget(QFrame):
         self.set_text(text if short is None or self.expanded else short)
         self.finish_reason = msg.finish_reason
         note = FINISH_NOTES.get(msg.finish_reason, "")
+        parts = (msg.stats or {}).get("summary_parts") if self.role == "assistant" else None
+        if parts:  # the answer rests on summaries of a message too long to read whole
+            note = f"{summary_note(int(parts))} {note}".strip()
         self.note.setText(note)
         self.note.setVisible(bool(note))
         self.copy_button.setEnabled(bool(msg.content))
