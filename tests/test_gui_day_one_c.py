@@ -5,6 +5,7 @@ summarised in parts."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,8 +13,10 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtGui import QGuiApplication, QTextDocument
+from PySide6.QtWidgets import QApplication
 
 from app.core.storage import Message
+from tests.gui_support import local_window
 from tests.test_gui_app import WAIT_MS, send, tiny, wait_idle  # noqa: F401
 
 pytestmark = pytest.mark.gui
@@ -90,3 +93,59 @@ def test_copied_reply_carries_no_html_of_the_model(qtbot: Any):
     word = word_html(EVIL)
     assert "&lt;img" in word and "<img" not in word and "<style>" not in word
     assert "<strong>bold</strong>" in word and images(shown(word)) == []
+
+
+def test_summarise_in_parts_from_the_too_long_choice(qtbot: Any, tiny: Path, tmp_path: Path):  # noqa: F811
+    from PySide6.QtCore import Qt
+
+    from app.core.summarise import summary_note
+    from app.views.chat_view import IN_PARTS
+
+    w = local_window(qtbot, tiny, tmp_path, max_tokens=8)
+    view, chat = w.chat_view, w.app.chat
+    send(qtbot, w, "hi")  # the model is loaded: its tokenizer measures
+    wait_idle(qtbot, w)
+    text = "List the dates.\n\n" + " ".join(f"day{i} of March" for i in range(120))
+    check = chat.length_check(text)
+    assert check is not None and not check.fits
+    # the question offers the three choices, Cancel by default
+    box = view.cut_box(check, text)
+    names = [b.text().replace("&", "") for b in box.buttons()]
+    assert {"Send the first part", "Summarise in parts", "Cancel"} <= set(names)
+    assert "summarise it in parts (about " in box.text()
+    assert box.defaultButton() is box.button(box.StandardButton.Cancel)
+    box.deleteLater()
+
+    # chosen: each part is summarised in turn, shown in the waiting reply and the status bar
+    view.ask_cut = lambda check, text: IN_PARTS  # type: ignore[method-assign]
+    seen: list[tuple[str, str]] = []
+
+    def look(i: int, n: int) -> None:
+        QApplication.processEvents()
+        bubble = view.widgets[max(view.widgets)]
+        seen.append((bubble.plain_text(), w.status.text()))
+
+    chat.summarising.connect(look)
+    send(qtbot, w, text)
+    assert view.composer.toPlainText() == ""
+    wait_idle(qtbot, w)
+    n = chat.messages()[-1].stats["summary_parts"]
+    assert n >= 2 and [b for b, _ in seen] == [
+        f"Summarising part {i} of {n}…" for i in range(1, n + 1)
+    ]
+    assert all(s == b for b, s in seen), seen
+    user, reply = chat.messages()[-2:]
+    assert user.content.startswith("List the dates.") and f"in {n} parts" in user.content
+    bubble = view.widgets[reply.id]
+    assert (
+        reply.content and bubble.note.text().startswith(summary_note(n)) and bubble.note.isVisible()
+    )
+
+    # Esc while part 2 is summarised: nothing is sent and the text is back in the box
+    before = len(chat.messages())
+    chat.summarising.connect(lambda i, n: qtbot.keyClick(w, Qt.Key.Key_Escape) if i == 2 else None)
+    send(qtbot, w, text)
+    wait_idle(qtbot, w)
+    assert len(chat.messages()) == before and view.composer.toPlainText() == text
+    assert len(view.widgets) == before
+    w.close()

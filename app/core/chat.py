@@ -386,8 +386,8 @@ class ChatController:
         def on_report(values: dict[str, Any]) -> None:
             if "summary_part" in values:
                 i, n = int(values["summary_part"]), int(values["summary_parts"])
-                self.summarising.emit(i, n)
                 self.progress.emit(f"summarising part {i} of {n}", (i - 1) / n)
+                self.summarising.emit(i, n)
             else:
                 self.gauges.emit(values)
 
