@@ -149,3 +149,25 @@ def test_summarise_in_parts_from_the_too_long_choice(qtbot: Any, tiny: Path, tmp
     assert len(chat.messages()) == before and view.composer.toPlainText() == text
     assert len(view.widgets) == before
     w.close()
+
+
+def test_no_blank_stretch_under_the_last_message(qtbot: Any, tiny: Path, tmp_path: Path):  # noqa: F811
+    """Scrolled to the end, the last message ends at the bottom of the conversation (the
+    word-wrapped text's tall minimum once left a blank stretch of ~110 px under it)."""
+    from tests.test_gui_day_one import QUESTION, REPLY, settle
+
+    w = local_window(qtbot, tiny, tmp_path)
+    store, view = w.app.store, w.chat_view
+    conv = store.create_conversation("Retainer")
+    for role, text in (("user", QUESTION), ("assistant", REPLY), ("user", "Thanks!")):
+        store.add_message(conv, role, text)
+    last = store.add_message(conv, "assistant", REPLY)
+    w.app.chat.open(conv)
+    for size in ((1000, 640), (1150, 720), (1280, 800)):
+        w.resize(*size)
+        settle()
+        bottom = view.rows[last.id].geometry().bottom() + view.list.contentsMargins().bottom()
+        inner, port = view.inner.height(), view.scroll_area.viewport().height()
+        assert inner > port  # the conversation scrolls at these sizes
+        assert inner - bottom <= 2, (size, inner, bottom)
+    w.close()

@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
+    QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
@@ -138,6 +139,10 @@ class ChatView(QWidget):
         self.scroll_area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.inner = QWidget()
         self.inner.setObjectName("MessageArea")
+        # its height is the messages' height for the width they get (the scroll area asks):
+        # not the taller minimum of word-wrapped text at its narrowest, which left a blank
+        # stretch under the last message once scrolled to the end
+        self.inner.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Ignored)
         self.list = QVBoxLayout(self.inner)
         self.list.setContentsMargins(24, 8, 24, 16)
         self.list.setSpacing(12)
