@@ -243,6 +243,7 @@ def documents(w: Any, app: Any, data: Path, out: Path, theme: str) -> None:
     w.sidebar.choose_matter(matter)
     save(w, out / f"matters-{theme}.png")
     w.matters_pane.ask()
+    wait(app.chat.connected, 300)  # the built-in server may still be coming back (restart)
     w.chat_view.composer.setPlainText("How much is the security deposit, and when is it returned?")
     w.chat_view.send_or_stop()
     wait(lambda: not app.chat.busy)
