@@ -88,6 +88,7 @@ class ChatView(QWidget):
         # title bar
         bar = QHBoxLayout()
         bar.setContentsMargins(24, 14, 24, 10)
+        bar.setSpacing(8)  # (a nested layout takes its parent's spacing, 0 here, by default)
         self.title = ElidedLabel("New chat")
         self.title.setObjectName("PaneTitle")
         bar.addWidget(self.title, 1)
