@@ -243,6 +243,7 @@ def documents(w: Any, app: Any, data: Path, out: Path, theme: str) -> None:
     w.sidebar.choose_matter(matter)
     save(w, out / f"matters-{theme}.png")
     w.matters_pane.ask()
+    wait(app.chat.connected, 300)  # the built-in server may still be coming back (restart)
     w.chat_view.composer.setPlainText("How much is the security deposit, and when is it returned?")
     w.chat_view.send_or_stop()
     wait(lambda: not app.chat.busy)
@@ -273,7 +274,8 @@ TRANSCRIPT = (
 
 def long_message(w: Any, app: Any, out: Path) -> None:
     """A pasted transcript: its size under the message box, then how far the model has read
-    it, then the message shown collapsed with "Show all"."""
+    it, then the message shown collapsed with "Show all"; then one too long for the model
+    (the question: send the first part, summarise in parts, or cancel)."""
     view, chat = w.chat_view, app.chat
     chat.new_conversation()
     text = "Summarize this deposition in three sentences.\n\n" + TRANSCRIPT * 30
@@ -287,6 +289,17 @@ def long_message(w: Any, app: Any, out: Path) -> None:
     save(w, out / "chat-reading-light.png")
     wait(lambda: not chat.busy)
     save(w, out / "chat-show-all-light.png")
+    # too long for the model: what would be cut, and the offer to summarise it in parts
+    chat.new_conversation()
+    text = "Summarize this deposition in three sentences.\n\n" + TRANSCRIPT * 110
+    check = chat.length_check(text)
+    if check is not None and not check.fits:
+        view.composer.setPlainText(text)
+        view.update_length_note()
+        box = view.cut_box(check, text)
+        save(w, out / "chat-too-long-light.png", box)
+        box.deleteLater()
+        view.composer.clear()
 
 
 def window_sizes(w: Any, app: Any, out: Path) -> None:

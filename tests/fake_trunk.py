@@ -10,7 +10,9 @@ survive with one clear error in bounded time:
   would wait several deadlines;
 * ``silent_accept`` — steps are accepted and never answered; pongs say "done";
 * ``nan`` / ``inf`` — results full of NaN / infinity;
-* ``oversized`` — a result whose tensor frame is :data:`OVERSIZED_BYTES` long.
+* ``oversized`` — a result whose tensor frame is :data:`OVERSIZED_BYTES` long;
+* ``stale_error`` — like ``echo``, but an ``unknown_session`` error about an older session
+  arrives before each ``Opened`` (a restarted server answering what was sent to the old one).
 
 It accepts any client key (or, with ``curve=False``, speaks plain TCP like a
 ``veil-trunk serve --insecure``), counts what it receives, and stops with :meth:`close`.
@@ -34,7 +36,7 @@ from tests.fixed_keys import SERVER_KEYS
 OVERSIZED_BYTES = 8 << 20
 MODES = (
     *("echo", "internal", "unknown", "in_flight", "lose_late", "silent_accept"),
-    *("nan", "inf", "oversized"),
+    *("nan", "inf", "oversized", "stale_error"),
 )
 
 
@@ -105,7 +107,11 @@ class FakeTrunk:
         self.counts[type(msg).__name__.lower()] += 1
         if isinstance(msg, P.Open):
             sid = f"s{self.counts['open']}"
-            return [P.encode(P.Opened(sid, msg.start, msg.end, msg.max_context, "float32"))]
+            opened = P.encode(P.Opened(sid, msg.start, msg.end, msg.max_context, "float32"))
+            if self.mode == "stale_error":
+                old = P.Error(P.E_UNKNOWN_SESSION, "no such session", "old-session", 7)
+                return [P.encode(old), opened]
+            return [opened]
         if isinstance(msg, P.Ping):
             if msg.session is None:
                 return [P.encode(P.Pong(msg.nonce))]

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import QApplication, QLabel, QWidget
 from app.core.demo_model import DEMO_LINE
 from app.core.long_message import LengthCheck
 from app.main_window import MainWindow
+from app.views.chat_view import CUT
 from app.views.drafting_pane import LOCKED_NOTE, READ_ONLY_NOTE
 from engine.loading import DEFAULT_MODEL
 from tests.gui_support import local_window, theme_reset
@@ -257,11 +258,11 @@ def test_long_message_size_cut_progress_and_show_all(qtbot: Any, tiny: Path, tmp
     # too long: the user sees exactly what is cut, and the rest stays in the message box
     asked: list[str] = []
 
-    def agree(check: LengthCheck, text: str) -> bool:
+    def agree(check: LengthCheck, text: str) -> str:
         from app.core.long_message import cut_question
 
         asked.append(cut_question(check, text))
-        return True
+        return CUT
 
     view.ask_cut = agree  # type: ignore[method-assign]
     text = words(400)
@@ -274,7 +275,7 @@ def test_long_message_size_cut_progress_and_show_all(qtbot: Any, tiny: Path, tmp
     assert asked and f"{sent} {rest}" == text and sent and rest
     assert f"leave out the last {len(rest.split()):,} words" in asked[0]
     # saying no sends nothing and keeps the text
-    view.ask_cut = lambda check, text: False  # type: ignore[method-assign]
+    view.ask_cut = lambda check, text: ""  # type: ignore[method-assign]
     n = len(chat.messages())
     view.composer.setPlainText(text)
     qtbot.mouseClick(view.send_button, Qt.MouseButton.LeftButton)

@@ -67,6 +67,17 @@ def fake(request: pytest.FixtureRequest) -> Iterator[FakeTrunk]:
 # ----------------------------------------------------------------------------- defect 1
 
 
+@pytest.mark.parametrize("fake", ["stale_error"], indirect=True)
+def test_an_error_about_an_older_session_does_not_fail_the_open(fake: FakeTrunk) -> None:
+    """After the built-in server restarted, the new one answered a step or ping meant for the
+    old session ("no such session") while the client opened a fresh one: that stale answer
+    failed the message with "the trunk server answered: no such session [unknown_session]"."""
+    with fake_client(fake) as trunk:
+        h = hidden(3)
+        assert torch.equal(trunk.forward(h, torch.arange(3)), h)
+        assert fake.counts["open"] == 1
+
+
 @pytest.mark.parametrize("fake", ["echo"], indirect=True)
 def test_fake_echo_server_works_and_long_blocks_go_in_chunks(fake: FakeTrunk) -> None:
     with fake_client(fake) as trunk:

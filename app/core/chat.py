@@ -25,6 +25,7 @@ from app.core.long_message import (
 )
 from app.core.settings import Settings
 from app.core.storage import Message, StorageError, Store
+from app.core.summarise import fit_final, plan_parts, summarise_parts
 from app.core.tasks import Event, Executor, Task, TaskContext
 from engine.chat import prompt_ids
 from engine.errors import GenerationError, VeilError
@@ -117,6 +118,8 @@ class ChatController:
         self.finished = Event()  # (GenerationResult)
         # (rows read, rows in the prompt, seconds left or None) while a long prompt is read
         self.reading = Event()
+        self.summarising = Event()  # (part, parts) while a too-long message is summarised
+        self.restored = Event()  # (text) a message that was not sent, back to the composer
         self.read_chunk = READ_CHUNK  # prompt rows per block (tests make it small)
         self.new_seed: Callable[[], int] = fresh_seed  # Regenerate's seeds (tests fix them)
 
@@ -263,8 +266,9 @@ class ChatController:
         self._start(restore="", user_id=None, regenerate=True)
         return True
 
-    def edit_last(self, text: str) -> bool:
-        """Replace the last user message (and its reply) with ``text`` and send it."""
+    def edit_last(self, text: str, in_parts: bool = False) -> bool:
+        """Replace the last user message (and its reply) with ``text`` and send it
+        (``in_parts``: summarised in parts first, see :meth:`send_in_parts`)."""
         msgs = self.messages()
         users = [m for m in msgs if m.role == "user"]
         if self.busy or not users or not text.strip():
@@ -274,7 +278,131 @@ class ChatController:
             if m.id >= last.id:
                 self.message_removed.emit(m.id)
         self.store.delete_messages_from(last.conversation_id, last.id)
-        return self.send(text)
+        return self.send_in_parts(text) if in_parts else self.send(text)
+
+    def send_in_parts(self, text: str) -> bool:
+        """Send a message too long for the model: it is split into parts that fit, the model
+        summarises each in turn (``summarising`` says which; Stop ends it and nothing is sent),
+        then the request with the joined summaries is sent in place of the full text, and the
+        reply's stats say how many parts it rests on. False when busy or empty."""
+        text = text.strip()
+        if self.busy or not text:
+            return False
+        if self.current is None:
+            try:
+                self.new_conversation()
+            except StorageError:
+                return False
+        assert self.current is not None
+        conv_id = self.current
+        if not self.store.messages(conv_id):
+            self.store.rename_conversation(conv_id, title_from(text))
+            self.conversations_changed.emit()
+        system = self.system_prompt()
+        try:
+            user = self.store.add_message(conv_id, "user", text)  # shown while it is summarised
+            self.message_added.emit(user)
+            waiting = self.store.add_message(conv_id, "assistant", "")
+        except StorageError:
+            return False
+        self.message_added.emit(waiting)
+        self.save_draft("")
+        params = self.settings.sampling()
+        host = self.host
+
+        def work(ctx: TaskContext) -> tuple[int, str | None]:
+            runner = host.ensure_ready_blocking(ctx.progress)
+            tok, cfg = runner.client.tokenizer, runner.client.config
+            plan = plan_parts(
+                text,
+                lambda t: len(tok(t, add_special_tokens=False)["input_ids"]),
+                lambda msgs: len(prompt_ids(tok, msgs)),
+                cfg.max_position_embeddings,
+                params.max_new_tokens,
+                system,
+            )
+
+            def generate(msgs: list[dict[str, str]], n_tokens: int) -> str:
+                result = host.generate_blocking(
+                    prompt_ids(tok, msgs),
+                    replace(params, max_new_tokens=n_tokens),
+                    on_text=lambda _: None,
+                    cancel=ctx.cancel,
+                )
+                return result.text
+
+            summaries = summarise_parts(
+                plan,
+                generate,
+                lambda i, n: ctx.report({"summary_part": i, "summary_parts": n}),
+                lambda: ctx.cancel.cancelled,
+            )
+            if summaries is None:
+                return plan.n, None
+            room = prompt_room(cfg.max_position_embeddings, params.max_new_tokens)
+            plen = lambda msgs: len(prompt_ids(tok, msgs))  # noqa: E731
+            return plan.n, fit_final(plan.request, summaries, plen, room, system)
+
+        def undo() -> None:
+            with contextlib.suppress(StorageError):  # (reported on store.failed)
+                self.store.delete_messages_from(conv_id, user.id)
+            self.message_removed.emit(waiting.id)
+            self.message_removed.emit(user.id)
+            if self.current == conv_id:
+                self.save_draft(text)
+
+        def on_done(out: tuple[int, str | None]) -> None:
+            n, message = out
+            if message is None:  # stopped: nothing was sent, the text goes back
+                undo()
+                self._end()
+                self.restored.emit(text)
+                return
+            user.content = message
+            try:
+                self.store.update_message(user.id, user.content)
+                self.store.delete_messages_from(conv_id, waiting.id)
+            except StorageError:
+                undo()
+                self._end()
+                self.restored.emit(text)
+                return
+            self.message_removed.emit(waiting.id)
+            self.message_updated.emit(user)
+            self._end()
+            if self.current != conv_id:
+                return
+            try:
+                self._start(restore=text, user_id=user.id, parts=n)
+            except StorageError:
+                undo()
+                self.restored.emit(text)
+
+        def on_error(err: VeilError) -> None:
+            undo()
+            self._end()
+            self.failed.emit(err, text)
+
+        def on_report(values: dict[str, Any]) -> None:
+            if "summary_part" in values:
+                i, n = int(values["summary_part"]), int(values["summary_parts"])
+                self.progress.emit(f"summarising part {i} of {n}", (i - 1) / n)
+                self.summarising.emit(i, n)
+            else:
+                self.gauges.emit(values)
+
+        self._streaming = waiting
+        self._task = Task(
+            "summarise",
+            work,
+            on_done=on_done,
+            on_error=on_error,
+            on_progress=lambda s, f: self.progress.emit(s, f),
+            on_report=on_report,
+        )
+        self._set_busy(True)
+        self.executor.submit(self._task)
+        return True
 
     def last_user_text(self) -> str:
         users = [m for m in self.messages() if m.role == "user"]
@@ -333,6 +461,7 @@ class ChatController:
         user_id: int | None,
         extend: Message | None = None,
         regenerate: bool = False,
+        parts: int = 0,
     ) -> None:
         assert self.current is not None
         conv_id = self.current
@@ -399,9 +528,12 @@ class ChatController:
             result, text = out
             reply.finish_reason = result.finish_reason
             kept = reply.stats.get("sources") if extend is not None else None
+            summarised = parts or (reply.stats.get("summary_parts") if extend else None)
             reply.stats = result.stats.to_dict()
             if used or kept:
                 reply.stats["sources"] = used or kept
+            if summarised:  # the answer rests on summaries of a too-long message
+                reply.stats["summary_parts"] = summarised
             reply.content = text
             self.store.update_message(reply.id, reply.content, result.finish_reason, reply.stats)
             self.message_updated.emit(reply)

@@ -159,7 +159,8 @@ def size_note(check: LengthCheck) -> str:
     if not check.fits:
         return (
             f"Too long for this model: about {check.tokens:,} tokens, and it reads at most "
-            f"{check.room:,} at once. When you send it, Veil asks what to leave out."
+            f"{check.room:,} at once. When you send it, Veil asks: send the first part, or "
+            "summarise it in parts."
         )
     parts = []
     if check.large:

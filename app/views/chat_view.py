@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
+    QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
@@ -30,6 +31,7 @@ from app.core.long_message import (
 )
 from app.core.settings import PRESETS
 from app.core.storage import Message, write_private_file
+from app.core.summarise import parts_offer, progress_text
 from app.views import export
 from app.views.demo_notice import DemoNotice
 from app.views.elided_label import ElidedLabel
@@ -37,6 +39,8 @@ from app.views.error_banner import ErrorBanner
 from app.views.message_widget import MessageWidget
 from app.views.theme import set_icon
 from engine.errors import VeilError
+
+CUT, IN_PARTS = "cut", "parts"  # the choices for a message too long for the model
 
 EXAMPLES = (
     "Write a polite reminder about Friday's team meeting",
@@ -84,6 +88,7 @@ class ChatView(QWidget):
         # title bar
         bar = QHBoxLayout()
         bar.setContentsMargins(24, 14, 24, 10)
+        bar.setSpacing(8)  # (a nested layout takes its parent's spacing, 0 here, by default)
         self.title = ElidedLabel("New chat")
         self.title.setObjectName("PaneTitle")
         bar.addWidget(self.title, 1)
@@ -135,6 +140,10 @@ class ChatView(QWidget):
         self.scroll_area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.inner = QWidget()
         self.inner.setObjectName("MessageArea")
+        # its height is the messages' height for the width they get (the scroll area asks):
+        # not the taller minimum of word-wrapped text at its narrowest, which left a blank
+        # stretch under the last message once scrolled to the end
+        self.inner.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Ignored)
         self.list = QVBoxLayout(self.inner)
         self.list.setContentsMargins(24, 8, 24, 16)
         self.list.setSpacing(12)
@@ -228,6 +237,8 @@ class ChatView(QWidget):
         chat.conversations_changed.connect(self._refresh_title)
         chat.before_switch.connect(self.save_draft_now)
         chat.reading.connect(self.show_reading)
+        chat.summarising.connect(self.show_summarising)
+        chat.restored.connect(self.put_back)
         self.set_busy(False)
 
     def resizeEvent(self, e: QResizeEvent) -> None:
@@ -421,6 +432,18 @@ class ChatView(QWidget):
         if self.chat.busy and msgs and not msgs[-1].content:
             msgs[-1].set_text(reading_text(done, total, seconds_left))
 
+    def show_summarising(self, part: int, parts: int) -> None:
+        """Which part of a too-long message the model is summarising, in the waiting reply."""
+        msgs = [w for w in self.widgets.values() if w.role == "assistant"]
+        if self.chat.busy and msgs and not msgs[-1].content:
+            msgs[-1].set_text(progress_text(part, parts))
+
+    def put_back(self, text: str) -> None:
+        """A message that was not sent (summarising it was stopped) returns to the box."""
+        if not self.composer.toPlainText().strip():
+            self.composer.setPlainText(text)
+        self.composer.setFocus()
+
     def set_welcome(self, text: str) -> None:
         """The empty chat's privacy sentence (the same words as the privacy panel)."""
         self.welcome.setText(text)
@@ -448,34 +471,56 @@ class ChatView(QWidget):
             return
         self.error.hide()
         rest = ""
+        in_parts = False
         check = self.chat.length_check(text)
         if check is not None and not check.fits:  # too long: say what would be cut, ask
-            if not self.ask_cut(check, text):
+            choice = self.ask_cut(check, text)
+            if choice not in (CUT, IN_PARTS):
                 self.composer.setFocus()
                 return
-            text, rest = split_message(check, text)
+            in_parts = choice == IN_PARTS
+            if not in_parts:
+                text, rest = split_message(check, text)
         if self.editing:
             self.editing = False
-            ok = self.chat.edit_last(text)
+            ok = self.chat.edit_last(text, in_parts=in_parts)
+        elif in_parts:
+            ok = self.chat.send_in_parts(text)
         else:
             ok = self.chat.send(text)
         if ok:
             self.composer.setPlainText(rest)  # the part left out waits to be sent next
 
-    def ask_cut(self, check: LengthCheck, text: str) -> bool:
-        """Send the part of a too-long message that fits? (tests replace this)"""
+    def cut_box(self, check: LengthCheck, text: str) -> QMessageBox:
+        """The question asked when a message does not fit: send the first part, summarise it
+        in parts, or cancel (the default)."""
         box = QMessageBox(
             QMessageBox.Icon.Question,
             "This message is too long for the model",
-            cut_question(check, text),
+            cut_question(check, text) + "\n\n" + parts_offer(check.tokens, check.context),
             parent=self,
         )
-        go = box.addButton("Send the first part", QMessageBox.ButtonRole.AcceptRole)
+        box.setTextFormat(Qt.TextFormat.PlainText)
+        if split_message(check, text)[0]:
+            first = box.addButton("Send the first part", QMessageBox.ButtonRole.AcceptRole)
+            first.setProperty("choice", CUT)
+        parts = box.addButton("Summarise in parts", QMessageBox.ButtonRole.ActionRole)
+        parts.setProperty("choice", IN_PARTS)
+        parts.setToolTip(
+            "The model summarises each part in turn, then answers from the summaries "
+            "(Stop or Esc ends it; nothing is sent then)"
+        )
         cancel = box.addButton(QMessageBox.StandardButton.Cancel)
         box.setDefaultButton(cancel)
+        return box
+
+    def ask_cut(self, check: LengthCheck, text: str) -> str:
+        """What to do with a too-long message: CUT, IN_PARTS or "" (tests replace this)."""
+        box = self.cut_box(check, text)
         try:
             box.exec()
-            return box.clickedButton() is go
+            clicked = box.clickedButton()
+            return str(clicked.property("choice") or "") if clicked is not None else ""
         finally:
             box.deleteLater()
 

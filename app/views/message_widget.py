@@ -5,7 +5,7 @@ limit, a notice with Continue."""
 from __future__ import annotations
 
 from PySide6.QtCore import QMimeData, Qt, Signal
-from PySide6.QtGui import QGuiApplication, QTextDocument
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -19,6 +19,8 @@ from PySide6.QtWidgets import (
 from app.core.long_message import preview, show_all_text
 from app.core.markdown import Segment, keep_line_breaks, segments
 from app.core.storage import Message
+from app.core.summarise import summary_note
+from app.views.safe_markdown import markdown_html
 from app.views.theme import later, set_icon
 
 ROLE_NAMES = {"user": "You", "assistant": "Veil"}
@@ -40,9 +42,7 @@ def copy_text(text: str, markdown: bool) -> None:
     data = QMimeData()
     data.setText(text)
     if markdown:
-        doc = QTextDocument()
-        doc.setMarkdown(keep_line_breaks(text))
-        data.setHtml(doc.toHtml())
+        data.setHtml(markdown_html(keep_line_breaks(text)))  # never the model's own HTML
     cb.setMimeData(data)
 
 
@@ -170,6 +170,9 @@ class MessageWidget(QFrame):
         self.set_text(text if short is None or self.expanded else short)
         self.finish_reason = msg.finish_reason
         note = FINISH_NOTES.get(msg.finish_reason, "")
+        parts = (msg.stats or {}).get("summary_parts") if self.role == "assistant" else None
+        if parts:  # the answer rests on summaries of a message too long to read whole
+            note = f"{summary_note(int(parts))} {note}".strip()
         self.note.setText(note)
         self.note.setVisible(bool(note))
         self.copy_button.setEnabled(bool(msg.content))
@@ -225,8 +228,12 @@ class MessageWidget(QFrame):
         return "\n".join(s.body for s in self._segs)
 
     def _body(self, seg: Segment) -> str:
-        # a reply's single line breaks are real line breaks (an address, a signature)
-        return keep_line_breaks(seg.body) if self.role == "assistant" else seg.body
+        """What a text part's label is given: a reply as formatted text (its single line
+        breaks real line breaks, as in an address or a signature), never the model's own HTML
+        or images (``safe_markdown``); the user's words as plain text."""
+        if self.role != "assistant":
+            return seg.body
+        return markdown_html(keep_line_breaks(seg.body))
 
     def _make_part(self, seg: Segment) -> QWidget:
         if seg.kind == "code":
@@ -234,7 +241,7 @@ class MessageWidget(QFrame):
         label = QLabel(self)
         label.setWordWrap(True)
         label.setTextFormat(
-            Qt.TextFormat.MarkdownText if self.role == "assistant" else Qt.TextFormat.PlainText
+            Qt.TextFormat.RichText if self.role == "assistant" else Qt.TextFormat.PlainText
         )
         label.setTextInteractionFlags(
             Qt.TextInteractionFlag.TextSelectableByMouse

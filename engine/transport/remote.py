@@ -245,6 +245,8 @@ class RemoteTrunk(Link):
                 log.debug("session %s (%.1f ms ping)", reply.session, time.perf_counter() - t0)
                 return
             if isinstance(reply, P.Error):
+                if reply.session is not None or reply.code == P.E_UNKNOWN_SESSION:
+                    continue  # about an older session (a restarted server answering late)
                 raise self._error_for(reply)
             # stale replies of an older session (pong/result): ignore
 

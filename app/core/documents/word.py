@@ -324,8 +324,13 @@ def _plain_inline(token: Any) -> str:
 
 
 def html(markdown: str) -> str:
-    """The same Markdown as HTML (what a word processor pastes with its formatting)."""
-    return str(_parser().render(markdown))
+    """The same Markdown as HTML (what a word processor pastes with its formatting). HTML
+    written in the Markdown (a model's ``<img src="http://…">``) stays text, and an image
+    becomes a link: nothing pasted from a reply ever loads a picture from an address."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark", {"html": False}).enable("table").disable("image")
+    return str(md.render(markdown))
 
 
 def chat_docx(store: Any, conv_id: int, path: Path) -> None:
