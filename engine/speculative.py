@@ -27,6 +27,16 @@ round ``d`` beside it; each round keeps the prefix of the best-first draft tree 
 means big trees; on a small CPU box, small ones. A learned draft head is told how much a level
 of its tree must be expected to add to pay for the level's time at that rate
 (:attr:`engine.drafts.learned.HeadDraft.min_gain`).
+
+Under load (several sessions on one batching trunk) a row costs more than this client's own
+time: every other step in the batch, or queued behind it, waits for it too. A trunk that reports
+its load (:class:`engine.protocol.Load`: ``peers`` other steps per step, ``row_ms`` marginal
+compute per row) lets the cost model price a row at ``b + peers * row_ms`` — its own time plus
+the time it takes from the others — so trees, and the choice between drafted rounds and
+one-token steps (:class:`ModeChooser`, on office seconds: wall time plus ``peers * row_ms`` per
+row sent), maximize committed tokens per second of the whole office, not of this client alone
+(docs/performance.md, "Speculation under load"). Alone on the trunk ``peers`` is 0 and nothing
+changes.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from engine.generate import (
     start_generation,
 )
 from engine.lazy_logits import LazyLogits
+from engine.protocol import Load
 from engine.sampling import SamplingParams, process_logits
 from engine.split import SplitRunner
 
@@ -72,6 +83,12 @@ class CostModel:
         self._w = self._n = self._t = self._nn = self._nt = 0.0
         self.draft_s = 0.0  # seconds of drafting per round (moving average)
         self.tokens = 0.0  # tokens committed per round (moving average)
+        # seconds each row sent takes from the trunk's other sessions (peers * row_ms): 0 alone
+        self.shared_s = 0.0
+
+    def set_load(self, load: Load | None) -> None:
+        """Price rows by what they cost the trunk's other sessions too (None: only our own)."""
+        self.shared_s = 0.0 if load is None else shared_row_s(load)
 
     def observe_round(self, draft_seconds: float, committed: int) -> None:
         """Drafting time and committed tokens of one round (for the rate a head must beat)."""
@@ -84,7 +101,9 @@ class CostModel:
     def rate(self, block_size: int) -> float:
         """Tokens per second of a round that sends ``block_size`` nodes and commits the recent
         average."""
-        return max(self.tokens, 1.0) / (self.draft_s + self.predict(block_size))
+        return max(self.tokens, 1.0) / (
+            self.draft_s + self.predict(block_size) + self.shared_s * block_size
+        )
 
     def observe(self, block_size: int, seconds: float) -> None:
         d = self.decay
@@ -119,13 +138,15 @@ class CostModel:
         return a + b * block_size
 
     def choose(self, path_probs: Sequence[float]) -> int:
-        """How many draft nodes (a prefix of the best-first order) maximize tokens/second.
+        """How many draft nodes (a prefix of the best-first order) maximize tokens per second of
+        office time: ``E[committed] / (d + a + (b + shared_s) * block_size)``.
 
         Near its best the predicted rate is flat over a wide range of sizes; there the largest
         size within ``SIZE_SLACK`` of the best rate is taken: it needs fewer round trips for the
         same speed, so the network's jitter and a shared trunk's queue cost less."""
         a, b = self.coefficients()
         a += self.draft_s
+        b += self.shared_s  # a row's office cost: our time plus the others' (0 alone)
         rates = [1.0 / (a + b)]
         expected = 1.0
         for i, p in enumerate(path_probs):
@@ -133,6 +154,14 @@ class CostModel:
             rates.append(expected / (a + b * (i + 2)))
         floor = max(rates) * (1.0 - SIZE_SLACK)
         return max(n for n, r in enumerate(rates) if r >= floor)
+
+
+def shared_row_s(load: Load) -> float:
+    """Seconds of the other sessions' time one more row in a step costs: ``peers * row_ms``.
+
+    Each of the ``peers`` steps sharing a batch with ours, or queued behind it, finishes
+    ``row_ms`` later per row we add."""
+    return load.peers * load.row_ms / 1000.0
 
 
 class ModeChooser:
@@ -145,7 +174,9 @@ class ModeChooser:
     the choice changes speed only. It is made on measured rates — tokens committed per second
     of whole rounds (drafting, verification and learning) — and the kind not chosen is tried
     again after 4, 8, 16 ... ``MAX_PROBE`` rounds (back to 4 when the choice flips), so a
-    change in the text or the link is noticed at a small, shrinking cost."""
+    change in the text or the link is noticed at a small, shrinking cost. Under load the
+    seconds observed are office seconds: wall time plus what the rows sent cost the trunk's
+    other sessions (:func:`shared_row_s` per row)."""
 
     WARM = 3  # speculative rounds before the first one-token steps are timed
     SEQ_PROBE = 2  # one-token steps per look at their rate
@@ -225,6 +256,9 @@ class SpecOptions:
     # Compute LM-head rows only along the walk (engine.lazy_logits) when the drafter does not
     # learn from every node's logits (``needs_all_logits = False`` on the drafter).
     lazy_head: bool = True
+    # Size trees and choose one-token steps by the office's committed tokens per second when the
+    # trunk reports its load (False: by this client's own rate alone, as before the load report)
+    load_aware: bool = True
 
 
 def explore_size(chosen: int, available: int, max_nodes: int) -> int:
@@ -424,6 +458,8 @@ def generate_speculative(
         t_round = time.perf_counter()
         root, root_pos = ctx[-1], len(ctx) - 1
         room = min(limit - 1 - root_pos, params.max_new_tokens - len(out.token_ids))
+        load = trunk_load(runner) if opts.load_aware else None
+        cost.set_load(load)
         if head is not None:
             # a level of the head's tree must add at least what its time buys at the current
             # rate (with a fixed budget nothing depends on measured time: no limit)
@@ -506,10 +542,19 @@ def generate_speculative(
         if not one_step:  # the rate a head must beat is that of drafted rounds
             cost.observe_round(draft_s, committed)
         if opts.fixed_budget is None:
-            state.mode.observe(one_step, time.perf_counter() - t_round, committed)
+            office_s = time.perf_counter() - t_round + cost.shared_s * len(ids)
+            state.mode.observe(one_step, office_s, committed)
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
+
+
+def trunk_load(runner: SplitRunner) -> Load | None:
+    """The load the runner's trunk reported with its latest reply (None: a local trunk, or a
+    server that does not report it)."""
+    trunk = getattr(_key(runner), "trunk", None)
+    load = getattr(trunk, "load", None)
+    return load if isinstance(load, Load) else None
 
 
 def _taps(runner: SplitRunner, head: HeadDraft | None) -> tuple[int, int, int] | None:
