@@ -143,7 +143,8 @@ class CostModel:
 
         Near its best the predicted rate is flat over a wide range of sizes; there the largest
         size within ``SIZE_SLACK`` of the best rate is taken: it needs fewer round trips for the
-        same speed, so the network's jitter and a shared trunk's queue cost less."""
+        same speed, so the network's jitter and a shared trunk's queue cost less. When the trunk
+        reports other sessions (``shared_s`` > 0) the best size itself is taken."""
         a, b = self.coefficients()
         a += self.draft_s
         b += self.shared_s  # a row's office cost: our time plus the others' (0 alone)
@@ -152,7 +153,9 @@ class CostModel:
         for i, p in enumerate(path_probs):
             expected += p
             rates.append(expected / (a + b * (i + 2)))
-        floor = max(rates) * (1.0 - SIZE_SLACK)
+        # (on a shared trunk the rows past the best cost the others more than a round trip
+        # saves: no slack there)
+        floor = max(rates) * (1.0 - (SIZE_SLACK if self.shared_s == 0 else 0.0))
         return max(n for n, r in enumerate(rates) if r >= floor)
 
 
@@ -481,7 +484,9 @@ def generate_speculative(
             tree = limit_depth(drafter.propose(ctx, size), room)
             n = cost.choose(tree.path_probs())
             state.rounds += 1
-            if cost.spread() < MIN_SPREAD and state.rounds % 4 == 0:
+            # exploration rounds learn this client's own slope; on a shared trunk the price of
+            # a row is mostly the others' time, and a big exploring tree would cost them most
+            if cost.spread() < MIN_SPREAD and state.rounds % 4 == 0 and cost.shared_s == 0:
                 n = explore_size(n, len(tree), opts.max_nodes)
             tree = tree.prefix(n)
             state.recent = [*state.recent[-7:], len(tree)]

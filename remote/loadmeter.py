@@ -21,8 +21,8 @@ import threading
 
 from engine.protocol import MAX_LOAD_PEERS, MAX_LOAD_ROW_MS, Load
 
-DECAY = 0.9  # weight of the past per batch
-MIN_ROW_SPREAD = 4.0  # variance of batch rows (rows^2) the slope needs
+DECAY = 0.98  # weight of the past per batch (about the last 50 batches count)
+MIN_ROW_SPREAD = 1.0  # variance of batch rows (rows^2) the slope needs
 
 
 class LoadMeter:
@@ -50,14 +50,16 @@ class LoadMeter:
             self._t = d * self._t + dt
             self._nn = d * self._nn + n * n
             self._nt = d * self._nt + n * dt
-            span = dt if self._last_end is None else max(t1 - self._last_end, dt)
-            busy = dt / span if span > 0 else 1.0
-            self._last_end = t1
             if self.batches == 0:
-                self._peers, self._busy = peers, busy
+                self._peers = peers
             else:
                 self._peers = d * self._peers + (1 - d) * peers
-                self._busy = d * self._busy + (1 - d) * busy
+            if self._last_end is not None:  # busy: compute over the time since the last batch
+                span = max(t1 - self._last_end, dt)
+                busy = dt / span if span > 0 else 1.0
+                first = self.batches == 1
+                self._busy = busy if first else d * self._busy + (1 - d) * busy
+            self._last_end = t1
             self.batches += 1
 
     def row_ms(self) -> float:
