@@ -80,8 +80,15 @@ def _serve(model: str, server: tuple[str, str], allow: list[str]) -> tuple[Any, 
         str(os.cpu_count() or 1),
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    log = open(os.environ.get("VEIL_OFFICE_LOG", os.devnull), "w")  # noqa: SIM115 (the server's log)
     proc = subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=str(REPO)
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+        cwd=str(REPO),
     )
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps({"public": server[0], "secret": server[1], "allow": allow}) + "\n")

@@ -172,6 +172,7 @@ class Load:
     peers: float  # other steps sharing a batch with, or queued behind, a step (average)
     row_ms: float  # marginal compute of one more row in a batch, ms (fitted over recent batches)
     busy: float  # fraction of recent wall time the trunk was computing, in [0, 1]
+    fixed_ms: float = 0.0  # a batch's compute at zero rows, ms (the same fit's intercept)
 
 
 @dataclass
@@ -321,7 +322,12 @@ def encode(msg: Message) -> list[Frame]:
         load = None
         if msg.load is not None:
             ld = msg.load
-            load = {"peers": float(ld.peers), "row_ms": float(ld.row_ms), "busy": float(ld.busy)}
+            load = {
+                "peers": float(ld.peers),
+                "row_ms": float(ld.row_ms),
+                "busy": float(ld.busy),
+                "fixed_ms": float(ld.fixed_ms),
+            }
         if msg.hidden is None:
             return [
                 _header(
@@ -489,16 +495,18 @@ def check_stats(v: Any, depth: int = 0) -> dict[str, Any]:
 
 
 def check_load(v: Any) -> Load:
-    """A Result's ``load`` map: ``peers`` (0 to MAX_LOAD_PEERS), ``row_ms`` (0 to
-    MAX_LOAD_ROW_MS) and ``busy`` (0 to 1), finite numbers all. Other keys (a later server's)
+    """A Result's ``load`` map: ``peers`` (0 to MAX_LOAD_PEERS), ``row_ms`` and ``fixed_ms`` (0
+    to MAX_LOAD_ROW_MS) and ``busy`` (0 to 1), finite numbers all. Other keys (a later server's)
     are ignored, up to 16 entries in all."""
-    if not isinstance(v, dict) or len(v) > 16 or not {"peers", "row_ms", "busy"} <= set(v):
-        raise _bad("field 'load' must be a map holding 'peers', 'row_ms' and 'busy'")
-    for k, hi in (("peers", MAX_LOAD_PEERS), ("row_ms", MAX_LOAD_ROW_MS), ("busy", 1.0)):
+    keys = ("peers", "row_ms", "busy", "fixed_ms")
+    if not isinstance(v, dict) or len(v) > 16 or not set(keys) <= set(v):
+        raise _bad("field 'load' must be a map holding 'peers', 'row_ms', 'busy' and 'fixed_ms'")
+    limits = (MAX_LOAD_PEERS, MAX_LOAD_ROW_MS, 1.0, MAX_LOAD_ROW_MS)
+    for k, hi in zip(keys, limits, strict=True):
         x = v[k]
         if type(x) not in (int, float) or not 0.0 <= x <= hi:  # (NaN fails the comparison)
             raise _bad(f"load '{k}' must be a number in [0, {hi:g}]")
-    return Load(float(v["peers"]), float(v["row_ms"]), float(v["busy"]))
+    return Load(*(float(v[k]) for k in keys))
 
 
 def _stat_scalar(x: Any) -> bool:

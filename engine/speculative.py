@@ -29,14 +29,21 @@ of its tree must be expected to add to pay for the level's time at that rate
 (:attr:`engine.drafts.learned.HeadDraft.min_gain`).
 
 Under load (several sessions on one batching trunk) a row costs more than this client's own
-time: every other step in the batch, or queued behind it, waits for it too. A trunk that reports
-its load (:class:`engine.protocol.Load`: ``peers`` other steps per step, ``row_ms`` marginal
-compute per row) lets the cost model price a row at ``b + peers * row_ms`` — its own time plus
-the time it takes from the others — so trees, and the choice between drafted rounds and
-one-token steps (:class:`ModeChooser`, on office seconds: wall time plus ``peers * row_ms`` per
-row sent), maximize committed tokens per second of the whole office, not of this client alone
-(docs/performance.md, "Speculation under load"). Alone on the trunk ``peers`` is 0 and nothing
-changes.
+time. A trunk that reports its load (:class:`engine.protocol.Load`: ``peers`` other steps per
+step, ``row_ms`` marginal compute per row, ``fixed_ms`` per batch, ``busy``) lets the cost model
+price a round of ``n`` rows in *office seconds* (docs/performance.md, "Speculation under load"):
+
+* ``own(n) = d + a + (b + peers * row_ms) * n`` — this client's round, plus the time each of its
+  rows takes from the ``peers`` steps that share its batch or wait behind it;
+* ``trunk(n) = fixed_ms + (peers + 1) * row_ms * n`` — on a saturated trunk everybody waits on
+  the trunk, so a round's cost is the trunk time it uses (its share of the batch's fixed cost,
+  ``fixed_ms / (peers + 1)``) times the ``peers + 1`` sessions that wait for it;
+* ``cost(n) = (1 - w) * own(n) + w * trunk(n)``, ``w = busy * peers / (peers + 1)``: the share
+  of the trunk's time that goes to others while it is busy.
+
+Trees maximize ``E[committed] / cost(n)`` and :class:`ModeChooser` compares drafted rounds with
+one-token steps in the same office seconds, so both serve the office's committed tokens per
+second, not this client's alone. Alone on the trunk ``peers`` is 0 and nothing changes.
 """
 
 from __future__ import annotations
@@ -83,12 +90,35 @@ class CostModel:
         self._w = self._n = self._t = self._nn = self._nt = 0.0
         self.draft_s = 0.0  # seconds of drafting per round (moving average)
         self.tokens = 0.0  # tokens committed per round (moving average)
-        # seconds each row sent takes from the trunk's other sessions (peers * row_ms): 0 alone
+        # the trunk's load (module docstring): seconds each row sent takes from the others
+        # (peers * row_ms), the weight of the saturated-trunk view, and that view's a and b
         self.shared_s = 0.0
+        self.weight = 0.0
+        self.trunk_a = self.trunk_b = 0.0
 
     def set_load(self, load: Load | None) -> None:
-        """Price rows by what they cost the trunk's other sessions too (None: only our own)."""
-        self.shared_s = 0.0 if load is None else shared_row_s(load)
+        """Price rounds in office seconds by the trunk's reported load (None: our own time)."""
+        if load is None or load.peers <= 0:
+            self.shared_s = self.weight = self.trunk_a = self.trunk_b = 0.0
+            return
+        self.shared_s = shared_row_s(load)
+        self.weight = load.busy * load.peers / (load.peers + 1.0)
+        self.trunk_a = load.fixed_ms / 1000.0
+        self.trunk_b = (load.peers + 1.0) * load.row_ms / 1000.0
+
+    def office_line(self, own_a: float, own_b: float) -> tuple[float, float]:
+        """(a, b) of a round's office cost ``a + b * rows``, from its own ``own_a + own_b *
+        rows`` (the module docstring's ``cost(n)``)."""
+        w = self.weight
+        return (
+            (1.0 - w) * own_a + w * self.trunk_a,
+            (1.0 - w) * (own_b + self.shared_s) + w * self.trunk_b,
+        )
+
+    def office_seconds(self, seconds: float, rows: int) -> float:
+        """A finished round's office cost: its wall time ``seconds`` and ``rows`` rows sent."""
+        a, b = self.office_line(seconds, 0.0)
+        return a + b * rows
 
     def observe_round(self, draft_seconds: float, committed: int) -> None:
         """Drafting time and committed tokens of one round (for the rate a head must beat)."""
@@ -101,9 +131,9 @@ class CostModel:
     def rate(self, block_size: int) -> float:
         """Tokens per second of a round that sends ``block_size`` nodes and commits the recent
         average."""
-        return max(self.tokens, 1.0) / (
-            self.draft_s + self.predict(block_size) + self.shared_s * block_size
-        )
+        a, b = self.coefficients()
+        oa, ob = self.office_line(self.draft_s + a, b)
+        return max(self.tokens, 1.0) / (oa + ob * block_size)
 
     def observe(self, block_size: int, seconds: float) -> None:
         d = self.decay
@@ -139,15 +169,15 @@ class CostModel:
 
     def choose(self, path_probs: Sequence[float]) -> int:
         """How many draft nodes (a prefix of the best-first order) maximize tokens per second of
-        office time: ``E[committed] / (d + a + (b + shared_s) * block_size)``.
+        office time: ``E[committed] / cost(block_size)`` (module docstring; alone on the trunk
+        ``cost(n) = d + a + b * n``).
 
         Near its best the predicted rate is flat over a wide range of sizes; there the largest
         size within ``SIZE_SLACK`` of the best rate is taken: it needs fewer round trips for the
         same speed, so the network's jitter and a shared trunk's queue cost less. When the trunk
         reports other sessions (``shared_s`` > 0) the best size itself is taken."""
         a, b = self.coefficients()
-        a += self.draft_s
-        b += self.shared_s  # a row's office cost: our time plus the others' (0 alone)
+        a, b = self.office_line(a + self.draft_s, b)  # our own time alone: unchanged
         rates = [1.0 / (a + b)]
         expected = 1.0
         for i, p in enumerate(path_probs):
@@ -178,8 +208,8 @@ class ModeChooser:
     of whole rounds (drafting, verification and learning) — and the kind not chosen is tried
     again after 4, 8, 16 ... ``MAX_PROBE`` rounds (back to 4 when the choice flips), so a
     change in the text or the link is noticed at a small, shrinking cost. Under load the
-    seconds observed are office seconds: wall time plus what the rows sent cost the trunk's
-    other sessions (:func:`shared_row_s` per row)."""
+    seconds observed are office seconds (:meth:`CostModel.office_seconds`): the wall time and
+    the rows sent, priced by what they cost the trunk's other sessions."""
 
     WARM = 3  # speculative rounds before the first one-token steps are timed
     SEQ_PROBE = 2  # one-token steps per look at their rate
@@ -547,7 +577,7 @@ def generate_speculative(
         if not one_step:  # the rate a head must beat is that of drafted rounds
             cost.observe_round(draft_s, committed)
         if opts.fixed_budget is None:
-            office_s = time.perf_counter() - t_round + cost.shared_s * len(ids)
+            office_s = cost.office_seconds(time.perf_counter() - t_round, len(ids))
             state.mode.observe(one_step, office_s, committed)
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first

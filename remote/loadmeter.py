@@ -8,7 +8,9 @@ by what they cost the whole office (``engine.speculative.CostModel``):
 * ``row_ms`` — the marginal compute of one more row in a batch: the slope of batch time over
   batch rows, by exponentially weighted least squares over recent batches (while their sizes
   vary too little to show a slope, the average time per row, an upper bound);
-* ``busy`` — the fraction of recent wall time the trunk spent computing.
+* ``busy`` — the fraction of recent wall time the trunk spent computing;
+* ``fixed_ms`` — a batch's compute at zero rows: the same fit's intercept (what a batch costs
+  however few rows it holds, shared by the steps in it).
 
 No key's own work shows: each number mixes every key's batches and is averaged over many of
 them (issue 29's rule — a key sees only its own counters — allows aggregates of this kind).
@@ -62,22 +64,26 @@ class LoadMeter:
             self._last_end = t1
             self.batches += 1
 
-    def row_ms(self) -> float:
-        """Marginal ms per row of recent batches (0 before any batch)."""
+    def fit_ms(self) -> tuple[float, float]:
+        """(fixed ms per batch, marginal ms per row) of recent batches ((0, 0) before any)."""
         with self._lock:
             if self._w <= 0 or self._n <= 0:
-                return 0.0
+                return 0.0, 0.0
             mn, mt = self._n / self._w, self._t / self._w
             mean_per_row = mt / mn
             var = self._nn / self._w - mn * mn
             fitted = (self._nt / self._w - mn * mt) / var if var >= MIN_ROW_SPREAD else None
-            slope = mean_per_row if fitted is None else fitted
-            return 1000.0 * min(max(slope, 0.0), mean_per_row)
+            slope = min(max(mean_per_row if fitted is None else fitted, 0.0), mean_per_row)
+            return 1000.0 * max(mt - slope * mn, 0.0), 1000.0 * slope
+
+    def row_ms(self) -> float:
+        """Marginal ms per row of recent batches (0 before any batch)."""
+        return self.fit_ms()[1]
 
     def snapshot(self) -> Load:
         """The load a reply carries now (clamped to what the protocol accepts)."""
-        row = min(self.row_ms(), MAX_LOAD_ROW_MS)
+        fixed, row = (min(x, MAX_LOAD_ROW_MS) for x in self.fit_ms())
         with self._lock:
             peers = min(self._peers, MAX_LOAD_PEERS)
             busy = min(max(self._busy, 0.0), 1.0)
-        return Load(round(peers, 3), round(row, 4), round(busy, 4))
+        return Load(round(peers, 3), round(row, 4), round(busy, 4), round(fixed, 4))

@@ -335,6 +335,7 @@ def _summary(
             "peers": round(statistics.median(x.peers for x in loads), 3),
             "row_ms": round(statistics.median(x.row_ms for x in loads), 4),
             "busy": round(statistics.median(x.busy for x in loads), 4),
+            "fixed_ms": round(statistics.median(x.fixed_ms for x in loads), 4),
         },
         "window_s": round(span, 2),
         "replica_sessions": _replica_delta(before, after, "replica_opened"),

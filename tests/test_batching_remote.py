@@ -103,6 +103,7 @@ def test_each_reply_reports_the_trunks_load(server: TrunkServer, folder: Path) -
             "peers": load.peers,
             "row_ms": load.row_ms,
             "busy": load.busy,
+            "fixed_ms": load.fixed_ms,
         }
     assert server.worker.load.batches > 0
 

@@ -18,6 +18,7 @@ def test_row_cost_is_the_slope_of_batch_time_over_rows() -> None:
     assert m.row_ms() == pytest.approx(2.0, rel=1e-6)
     load = m.snapshot()
     assert load.row_ms == pytest.approx(2.0, abs=1e-3)
+    assert load.fixed_ms == pytest.approx(30.0, abs=1e-3)
     assert load.busy == pytest.approx(1.0)  # back to back
     assert load.peers == 0.0
 
@@ -27,6 +28,7 @@ def test_without_a_spread_of_sizes_the_row_cost_is_the_average_per_row() -> None
     for i in range(5):
         m.batch(4, 1, 0, float(i), float(i) + 0.040)  # 40 ms per 4-row batch, 1 s apart
     assert m.row_ms() == pytest.approx(10.0)  # an upper bound on the marginal cost
+    assert m.snapshot().fixed_ms == pytest.approx(0.0)
     assert m.snapshot().busy == pytest.approx(0.04, abs=1e-3)
 
 
@@ -40,8 +42,10 @@ def test_peers_count_batch_mates_and_queued_steps_smoothed() -> None:
 
 def test_snapshot_stays_within_what_the_protocol_accepts() -> None:
     m = LoadMeter()
-    assert m.snapshot() == P.Load(0.0, 0.0, 0.0)  # before any batch
+    assert m.snapshot() == P.Load(0.0, 0.0, 0.0, 0.0)  # before any batch
     m.batch(1, 10**7, 10**7, 0.0, 1e6)
     snap = m.snapshot()
     assert snap.peers <= P.MAX_LOAD_PEERS and snap.row_ms <= P.MAX_LOAD_ROW_MS
-    P.check_load({"peers": snap.peers, "row_ms": snap.row_ms, "busy": snap.busy})
+    P.check_load(
+        {"peers": snap.peers, "row_ms": snap.row_ms, "busy": snap.busy, "fixed_ms": snap.fixed_ms}
+    )

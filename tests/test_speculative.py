@@ -563,17 +563,36 @@ def test_cost_model_shrinks_trees_as_the_reported_row_cost_rises() -> None:
     assert cm.rate(8) < own
 
 
+def test_office_cost_blends_own_time_and_trunk_time_by_the_others_share() -> None:
+    cm = spec.CostModel()
+    assert cm.office_line(0.2, 0.002) == (0.2, 0.002)  # no report: our own time
+    cm.set_load(P.Load(peers=0.0, row_ms=2.0, busy=1.0, fixed_ms=30.0))
+    assert cm.office_line(0.2, 0.002) == (0.2, 0.002)  # alone on the trunk: the same
+    cm.set_load(P.Load(peers=3.0, row_ms=2.0, busy=0.0, fixed_ms=30.0))  # idle between steps
+    a, b = cm.office_line(0.2, 0.002)
+    assert (a, b) == pytest.approx((0.2, 0.002 + 3 * 0.002))  # plus the others' time per row
+    cm.set_load(P.Load(peers=7.0, row_ms=2.0, busy=1.0, fixed_ms=30.0))  # saturated
+    w = 7 / 8
+    a, b = cm.office_line(0.2, 0.002)
+    assert a == pytest.approx((1 - w) * 0.2 + w * 0.030)
+    assert b == pytest.approx((1 - w) * (0.002 + 0.014) + w * 8 * 0.002)
+    assert cm.office_seconds(0.2, 5) == pytest.approx(
+        (1 - w) * 0.2 + 5 * ((1 - w) * 0.014 + w * 0.016) + w * 0.030
+    )
+
+
 def test_mode_chooser_weighs_office_seconds() -> None:
-    """A drafted round of 8 rows that commits 2 tokens in 0.05 s beats one-token steps of
-    0.04 s alone, but not when each row costs seven others 2 ms (0.05 + 8 * 0.014 s for 2
-    tokens against 0.04 + 0.014 s for 1)."""
-    shared = spec.shared_row_s(P.Load(peers=7.0, row_ms=2.0, busy=1.0))
+    """A drafted round of 8 rows that commits 2 tokens in 0.15 s beats one-token steps of
+    0.1 s alone, but not on a trunk that is busy with seven others (2 ms per row, 30 ms per
+    batch): there a one-token step costs the office about 0.05 s, the drafted round 0.15 s."""
+    cost = spec.CostModel()
+    cost.set_load(P.Load(peers=7.0, row_ms=2.0, busy=1.0, fixed_ms=30.0))
     alone, loaded = spec.ModeChooser(), spec.ModeChooser()
     for _ in range(60):
-        for mc, extra in ((alone, 0.0), (loaded, shared)):
+        for mc, office in ((alone, False), (loaded, True)):
             one = mc.next_is_sequential()
-            rows = 1 if one else 8
-            mc.observe(one, (0.04 if one else 0.05) + extra * rows, 1 if one else 2)
+            rows, wall = (1, 0.1) if one else (8, 0.15)
+            mc.observe(one, cost.office_seconds(wall, rows) if office else wall, 1 if one else 2)
     assert not alone.sequential and loaded.sequential
 
 
