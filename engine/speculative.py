@@ -77,6 +77,9 @@ from engine.split import SplitRunner
 TOPK = 8  # successors recorded per verified node (token recycling)
 MIN_SPREAD = 16.0  # variance of recent block sizes (nodes^2) the cost model's slope needs
 SIZE_SLACK = 0.06  # the cost model takes the largest tree within 6 % of the best predicted rate
+# fewer other steps per step than this (on average) and the trunk counts as ours alone: a lone
+# client's own session-switch (its closing session's last reply) must not change its choices
+ALONE_PEERS = 0.5
 
 
 class CostModel:
@@ -98,7 +101,7 @@ class CostModel:
 
     def set_load(self, load: Load | None) -> None:
         """Price rounds in office seconds by the trunk's reported load (None: our own time)."""
-        if load is None or load.peers <= 0:
+        if load is None or load.peers < ALONE_PEERS:
             self.shared_s = self.weight = self.trunk_a = self.trunk_b = 0.0
             return
         self.shared_s = shared_row_s(load)
