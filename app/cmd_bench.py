@@ -146,7 +146,7 @@ def _ratio(num: float, den: float) -> float:
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """TPR = total generated tokens / total round trips (prefill included); tok/s = tokens after
     the first / decode seconds, over all prompts."""
-    out: dict[str, Any] = {"tokens_per_round_trip": {}, "decode_tok_s": {}}
+    out: dict[str, Any] = {"tokens_per_round_trip": {}, "decode_tok_s": {}, "rows_per_token": {}}
     for d in DECODERS:
         toks = sum(len(r[d]["token_ids"]) for r in rows)
         rts = sum(r[d]["round_trips"] for r in rows)
@@ -154,6 +154,9 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         dec_s = sum(r[d]["decode_s"] for r in rows)
         out["tokens_per_round_trip"][d] = round(_ratio(toks, rts), 4)
         out["decode_tok_s"][d] = round(_ratio(dec_toks, dec_s), 3)
+        # trunk rows sent per token committed after the first (1.0 for sequential decoding)
+        rows_sent = sum(r[d].get("trunk_rows", 0) for r in rows)
+        out["rows_per_token"][d] = round(_ratio(rows_sent, dec_toks), 4)
     out["speedup"] = round(
         _ratio(out["decode_tok_s"]["speculative"], out["decode_tok_s"]["sequential"]), 3
     )
@@ -205,6 +208,8 @@ def run_prompts(
                 "ttft_s": round(st.ttft_s, 4),
                 "decode_s": round(st.decode_s, 4),
                 "finish_reason": res.finish_reason,
+                "trunk_rows": st.tree_nodes_sent,
+                "rows_per_token": round(st.rows_per_token, 4),
             }
             if d == "speculative":
                 row[d]["tokens_per_round_trip"] = round(st.tokens_per_round_trip, 4)
@@ -316,7 +321,8 @@ def table(results: dict[str, Any]) -> str:
         f"RTT {results['rtt_ms']:g} ms: speculative {sm['speedup']:.2f}x sequential tok/s, "
         f"{sm['tokens_per_round_trip']['speculative']:.2f} tokens per round trip "
         f"(sequential {sm['tokens_per_round_trip']['sequential']:.2f}); drafting "
-        f"{sm.get('draft_ms_per_round', 0.0):.1f} ms per round"
+        f"{sm.get('draft_ms_per_round', 0.0):.1f} ms per round, "
+        f"{sm.get('rows_per_token', {}).get('speculative', 0.0):.2f} trunk rows per committed token"
         + (f" with the draft head {results['draft_head']}" if results.get("draft_head") else "")
     )
     return "\n".join(lines)

@@ -59,6 +59,13 @@ class GenerationStats:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
     @property
+    def rows_per_token(self) -> float:
+        """Trunk rows sent per token committed after the first (tree nodes, roots included;
+        the prompt's rows are not counted): 1.0 for sequential decoding."""
+        n = self.new_tokens - 1
+        return self.tree_nodes_sent / n if n > 0 else 0.0
+
+    @property
     def tokens_per_round_trip(self) -> float:
         return self.new_tokens / self.round_trips if self.round_trips else 0.0
 
@@ -72,6 +79,7 @@ class GenerationStats:
         d = asdict(self)
         d["decode_tok_s"] = self.decode_tok_s
         d["tokens_per_round_trip"] = self.tokens_per_round_trip
+        d["rows_per_token"] = self.rows_per_token
         d["draft_ms_per_round"] = self.draft_ms_per_round
         d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
         return d
@@ -284,7 +292,7 @@ def generate_sequential(
         stats.accepted_hist[1] = stats.accepted_hist.get(1, 0) + 1
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first
-    stats.tree_nodes_sent = stats.round_trips - 1
+    stats.tree_nodes_sent = stats.round_trips - len(blocks)  # one row per decode step
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
 
 

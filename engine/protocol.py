@@ -160,6 +160,21 @@ class Step:
     want: bool = True  # False: replay step, the reply carries no tensor
 
 
+MAX_LOAD_PEERS = 1_000_000.0  # bounds of a Result's load report (a hostile server's is refused)
+MAX_LOAD_ROW_MS = 60_000.0
+
+
+@dataclass
+class Load:
+    """The trunk's current load, as one reply reports it (aggregates over every key's work,
+    smoothed over recent batches; see docs/protocol.md)."""
+
+    peers: float  # other steps sharing a batch with, or queued behind, a step (average)
+    row_ms: float  # marginal compute of one more row in a batch, ms (fitted over recent batches)
+    busy: float  # fraction of recent wall time the trunk was computing, in [0, 1]
+    fixed_ms: float = 0.0  # a batch's compute at zero rows, ms (the same fit's intercept)
+
+
 @dataclass
 class Result:
     session: str
@@ -167,6 +182,7 @@ class Result:
     server_ms: float
     hidden: torch.Tensor | None  # [B, H] in the request's dtype; None for want=False
     queue_ms: float = 0.0  # time the step waited on the server before its compute began
+    load: Load | None = None  # the server's load (None: a server that does not report it)
 
 
 @dataclass
@@ -303,6 +319,15 @@ def encode(msg: Message) -> list[Frame]:
             tensor_frame(msg.hidden),
         ]
     if isinstance(msg, Result):
+        load = None
+        if msg.load is not None:
+            ld = msg.load
+            load = {
+                "peers": float(ld.peers),
+                "row_ms": float(ld.row_ms),
+                "busy": float(ld.busy),
+                "fixed_ms": float(ld.fixed_ms),
+            }
         if msg.hidden is None:
             return [
                 _header(
@@ -311,6 +336,7 @@ def encode(msg: Message) -> list[Frame]:
                     step=msg.step,
                     server_ms=float(msg.server_ms),
                     queue_ms=float(msg.queue_ms),
+                    load=load,
                 )
             ]
         b, h = msg.hidden.shape
@@ -321,6 +347,7 @@ def encode(msg: Message) -> list[Frame]:
                 step=msg.step,
                 server_ms=float(msg.server_ms),
                 queue_ms=float(msg.queue_ms),
+                load=load,
                 dtype=dtype_name(msg.hidden.dtype),
                 shape=[b, h],
             ),
@@ -467,6 +494,21 @@ def check_stats(v: Any, depth: int = 0) -> dict[str, Any]:
     return v
 
 
+def check_load(v: Any) -> Load:
+    """A Result's ``load`` map: ``peers`` (0 to MAX_LOAD_PEERS), ``row_ms`` and ``fixed_ms`` (0
+    to MAX_LOAD_ROW_MS) and ``busy`` (0 to 1), finite numbers all. Other keys (a later server's)
+    are ignored, up to 16 entries in all."""
+    keys = ("peers", "row_ms", "busy", "fixed_ms")
+    if not isinstance(v, dict) or len(v) > 16 or not set(keys) <= set(v):
+        raise _bad("field 'load' must be a map holding 'peers', 'row_ms', 'busy' and 'fixed_ms'")
+    limits = (MAX_LOAD_PEERS, MAX_LOAD_ROW_MS, 1.0, MAX_LOAD_ROW_MS)
+    for k, hi in zip(keys, limits, strict=True):
+        x = v[k]
+        if type(x) not in (int, float) or not 0.0 <= x <= hi:  # (NaN fails the comparison)
+            raise _bad(f"load '{k}' must be a number in [0, {hi:g}]")
+    return Load(*(float(v[k]) for k in keys))
+
+
 def _stat_scalar(x: Any) -> bool:
     if isinstance(x, str):
         return len(x) <= 256
@@ -591,6 +633,7 @@ def decode(frames: Sequence[Any]) -> Message:
             server_ms=_float(h, "server_ms"),
             queue_ms=_float(h, "queue_ms") if "queue_ms" in h else 0.0,
             hidden=out,
+            load=check_load(h["load"]) if "load" in h else None,
         )
     if t == CLOSE:
         return Close(session=str(_str(h, "session", MAX_ID_LEN)))

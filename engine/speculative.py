@@ -27,6 +27,23 @@ round ``d`` beside it; each round keeps the prefix of the best-first draft tree 
 means big trees; on a small CPU box, small ones. A learned draft head is told how much a level
 of its tree must be expected to add to pay for the level's time at that rate
 (:attr:`engine.drafts.learned.HeadDraft.min_gain`).
+
+Under load (several sessions on one batching trunk) a row costs more than this client's own
+time. A trunk that reports its load (:class:`engine.protocol.Load`: ``peers`` other steps per
+step, ``row_ms`` marginal compute per row, ``fixed_ms`` per batch, ``busy``) lets the cost model
+price a round of ``n`` rows in *office seconds* (docs/performance.md, "Speculation under load"):
+
+* ``own(n) = d + a + (b + peers * row_ms) * n`` — this client's round, plus the time each of its
+  rows takes from the ``peers`` steps that share its batch or wait behind it;
+* ``trunk(n) = fixed_ms + (peers + 1) * row_ms * n`` — on a saturated trunk everybody waits on
+  the trunk, so a round's cost is the trunk time it uses (its share of the batch's fixed cost,
+  ``fixed_ms / (peers + 1)``) times the ``peers + 1`` sessions that wait for it;
+* ``cost(n) = (1 - w) * own(n) + w * trunk(n)``, ``w = busy * peers / (peers + 1)``: the share
+  of the trunk's time that goes to others while it is busy.
+
+Trees maximize ``E[committed] / cost(n)`` and :class:`ModeChooser` compares drafted rounds with
+one-token steps in the same office seconds, so both serve the office's committed tokens per
+second, not this client's alone. Alone on the trunk ``peers`` is 0 and nothing changes.
 """
 
 from __future__ import annotations
@@ -53,12 +70,16 @@ from engine.generate import (
     start_generation,
 )
 from engine.lazy_logits import LazyLogits
+from engine.protocol import Load
 from engine.sampling import SamplingParams, process_logits
 from engine.split import SplitRunner
 
 TOPK = 8  # successors recorded per verified node (token recycling)
 MIN_SPREAD = 16.0  # variance of recent block sizes (nodes^2) the cost model's slope needs
 SIZE_SLACK = 0.06  # the cost model takes the largest tree within 6 % of the best predicted rate
+# fewer other steps per step than this (on average) and the trunk counts as ours alone: a lone
+# client's own session-switch (its closing session's last reply) must not change its choices
+ALONE_PEERS = 0.5
 
 
 class CostModel:
@@ -72,6 +93,35 @@ class CostModel:
         self._w = self._n = self._t = self._nn = self._nt = 0.0
         self.draft_s = 0.0  # seconds of drafting per round (moving average)
         self.tokens = 0.0  # tokens committed per round (moving average)
+        # the trunk's load (module docstring): seconds each row sent takes from the others
+        # (peers * row_ms), the weight of the saturated-trunk view, and that view's a and b
+        self.shared_s = 0.0
+        self.weight = 0.0
+        self.trunk_a = self.trunk_b = 0.0
+
+    def set_load(self, load: Load | None) -> None:
+        """Price rounds in office seconds by the trunk's reported load (None: our own time)."""
+        if load is None or load.peers < ALONE_PEERS:
+            self.shared_s = self.weight = self.trunk_a = self.trunk_b = 0.0
+            return
+        self.shared_s = shared_row_s(load)
+        self.weight = load.busy * load.peers / (load.peers + 1.0)
+        self.trunk_a = load.fixed_ms / 1000.0
+        self.trunk_b = (load.peers + 1.0) * load.row_ms / 1000.0
+
+    def office_line(self, own_a: float, own_b: float) -> tuple[float, float]:
+        """(a, b) of a round's office cost ``a + b * rows``, from its own ``own_a + own_b *
+        rows`` (the module docstring's ``cost(n)``)."""
+        w = self.weight
+        return (
+            (1.0 - w) * own_a + w * self.trunk_a,
+            (1.0 - w) * (own_b + self.shared_s) + w * self.trunk_b,
+        )
+
+    def office_seconds(self, seconds: float, rows: int) -> float:
+        """A finished round's office cost: its wall time ``seconds`` and ``rows`` rows sent."""
+        a, b = self.office_line(seconds, 0.0)
+        return a + b * rows
 
     def observe_round(self, draft_seconds: float, committed: int) -> None:
         """Drafting time and committed tokens of one round (for the rate a head must beat)."""
@@ -84,7 +134,9 @@ class CostModel:
     def rate(self, block_size: int) -> float:
         """Tokens per second of a round that sends ``block_size`` nodes and commits the recent
         average."""
-        return max(self.tokens, 1.0) / (self.draft_s + self.predict(block_size))
+        a, b = self.coefficients()
+        oa, ob = self.office_line(self.draft_s + a, b)
+        return max(self.tokens, 1.0) / (oa + ob * block_size)
 
     def observe(self, block_size: int, seconds: float) -> None:
         d = self.decay
@@ -119,20 +171,33 @@ class CostModel:
         return a + b * block_size
 
     def choose(self, path_probs: Sequence[float]) -> int:
-        """How many draft nodes (a prefix of the best-first order) maximize tokens/second.
+        """How many draft nodes (a prefix of the best-first order) maximize tokens per second of
+        office time: ``E[committed] / cost(block_size)`` (module docstring; alone on the trunk
+        ``cost(n) = d + a + b * n``).
 
         Near its best the predicted rate is flat over a wide range of sizes; there the largest
         size within ``SIZE_SLACK`` of the best rate is taken: it needs fewer round trips for the
-        same speed, so the network's jitter and a shared trunk's queue cost less."""
+        same speed, so the network's jitter and a shared trunk's queue cost less. When the trunk
+        reports other sessions (``shared_s`` > 0) the best size itself is taken."""
         a, b = self.coefficients()
-        a += self.draft_s
+        a, b = self.office_line(a + self.draft_s, b)  # our own time alone: unchanged
         rates = [1.0 / (a + b)]
         expected = 1.0
         for i, p in enumerate(path_probs):
             expected += p
             rates.append(expected / (a + b * (i + 2)))
-        floor = max(rates) * (1.0 - SIZE_SLACK)
+        # (on a shared trunk the rows past the best cost the others more than a round trip
+        # saves: no slack there)
+        floor = max(rates) * (1.0 - (SIZE_SLACK if self.shared_s == 0 else 0.0))
         return max(n for n, r in enumerate(rates) if r >= floor)
+
+
+def shared_row_s(load: Load) -> float:
+    """Seconds of the other sessions' time one more row in a step costs: ``peers * row_ms``.
+
+    Each of the ``peers`` steps sharing a batch with ours, or queued behind it, finishes
+    ``row_ms`` later per row we add."""
+    return load.peers * load.row_ms / 1000.0
 
 
 class ModeChooser:
@@ -145,7 +210,9 @@ class ModeChooser:
     the choice changes speed only. It is made on measured rates — tokens committed per second
     of whole rounds (drafting, verification and learning) — and the kind not chosen is tried
     again after 4, 8, 16 ... ``MAX_PROBE`` rounds (back to 4 when the choice flips), so a
-    change in the text or the link is noticed at a small, shrinking cost."""
+    change in the text or the link is noticed at a small, shrinking cost. Under load the
+    seconds observed are office seconds (:meth:`CostModel.office_seconds`): the wall time and
+    the rows sent, priced by what they cost the trunk's other sessions."""
 
     WARM = 3  # speculative rounds before the first one-token steps are timed
     SEQ_PROBE = 2  # one-token steps per look at their rate
@@ -225,6 +292,9 @@ class SpecOptions:
     # Compute LM-head rows only along the walk (engine.lazy_logits) when the drafter does not
     # learn from every node's logits (``needs_all_logits = False`` on the drafter).
     lazy_head: bool = True
+    # Size trees and choose one-token steps by the office's committed tokens per second when the
+    # trunk reports its load (False: by this client's own rate alone, as before the load report)
+    load_aware: bool = True
 
 
 def explore_size(chosen: int, available: int, max_nodes: int) -> int:
@@ -424,6 +494,8 @@ def generate_speculative(
         t_round = time.perf_counter()
         root, root_pos = ctx[-1], len(ctx) - 1
         room = min(limit - 1 - root_pos, params.max_new_tokens - len(out.token_ids))
+        load = trunk_load(runner) if opts.load_aware else None
+        cost.set_load(load)
         if head is not None:
             # a level of the head's tree must add at least what its time buys at the current
             # rate (with a fixed budget nothing depends on measured time: no limit)
@@ -445,7 +517,9 @@ def generate_speculative(
             tree = limit_depth(drafter.propose(ctx, size), room)
             n = cost.choose(tree.path_probs())
             state.rounds += 1
-            if cost.spread() < MIN_SPREAD and state.rounds % 4 == 0:
+            # exploration rounds learn this client's own slope; on a shared trunk the price of
+            # a row is mostly the others' time, and a big exploring tree would cost them most
+            if cost.spread() < MIN_SPREAD and state.rounds % 4 == 0 and cost.shared_s == 0:
                 n = explore_size(n, len(tree), opts.max_nodes)
             tree = tree.prefix(n)
             state.recent = [*state.recent[-7:], len(tree)]
@@ -506,10 +580,19 @@ def generate_speculative(
         if not one_step:  # the rate a head must beat is that of drafted rounds
             cost.observe_round(draft_s, committed)
         if opts.fixed_budget is None:
-            state.mode.observe(one_step, time.perf_counter() - t_round, committed)
+            office_s = cost.office_seconds(time.perf_counter() - t_round, len(ids))
+            state.mode.observe(one_step, office_s, committed)
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
+
+
+def trunk_load(runner: SplitRunner) -> Load | None:
+    """The load the runner's trunk reported with its latest reply (None: a local trunk, or a
+    server that does not report it)."""
+    trunk = getattr(_key(runner), "trunk", None)
+    load = getattr(trunk, "load", None)
+    return load if isinstance(load, Load) else None
 
 
 def _taps(runner: SplitRunner, head: HeadDraft | None) -> tuple[int, int, int] | None:

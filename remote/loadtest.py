@@ -8,8 +8,12 @@ its next step (the client's own compute and its network round trip). All clients
 thread on one poller, so the CPU goes to the server.
 
 Per number of clients N it reports aggregate steps/s and rows/s (over the window in which all N
-clients are stepping), per-step latency percentiles, the server's ``queue_ms`` median, and the
-server's batch-size histogram over the run (from the ``stats`` ping).
+clients are stepping), per-step latency percentiles, the server's ``queue_ms`` median, the
+server's batch-size histogram over the run (from the ``stats`` ping), the trunk rows sent per
+token the synthetic trees commit (each kept root-to-leaf path counts as accepted tokens, as
+decoding would commit them), and the median load the server reported in its replies
+(``peers``, ``row_ms``, ``busy``; docs/protocol.md). ``bench/office_load.py`` runs real
+speculative clients instead, with real acceptance.
 """
 
 from __future__ import annotations
@@ -122,6 +126,9 @@ class _Client:
     queues: list[float] = field(default_factory=list)  # server queue_ms, decode steps
     computes: list[float] = field(default_factory=list)  # server_ms, decode steps
     errors: list[str] = field(default_factory=list)
+    rows_sent: int = 0  # decode rows
+    committed: int = 0  # tokens the kept paths commit (synthetic acceptance)
+    loads: list[P.Load] = field(default_factory=list)  # the server's load reports
 
 
 def _tree(rng: random.Random, b: int, base: int) -> tuple[list[int], list[int], list[int]]:
@@ -233,6 +240,8 @@ def _send_step(c: _Client, b: int, opts: LoadOptions) -> None:
         positions, parents, path = _tree(c.rng, b, c.base)
         msg = P.Step(c.sid, c.step, positions, parents, c.keep, opts.wire_dtype, c.block)
         c.keep = path
+        c.rows_sent += len(positions)
+        c.committed += len(path)
         c.base += len(path)
         if not c.first_decode_at:
             c.first_decode_at = now
@@ -259,6 +268,8 @@ def _on_reply(c: _Client, m: P.Message, b: int, opts: LoadOptions) -> None:
         c.queues.append(m.queue_ms)
         c.computes.append(m.server_ms)
         c.replies.append(now)
+        if m.load is not None:
+            c.loads.append(m.load)
     c.last_reply_at = now
     last = opts.steps if opts.prompt_rows > 0 else opts.steps - 1
     if c.step >= last:
@@ -300,6 +311,9 @@ def _summary(
         in_window = len(lat)
     span = max(w1 - w0, 1e-9)
     steps_per_s = in_window / span if in_window else 0.0
+    rows_sent = sum(c.rows_sent for c in clients)
+    committed = sum(c.committed for c in clients)
+    loads = [x for c in clients for x in c.loads]
     return {
         "clients": n,
         "block_rows": b,
@@ -314,6 +328,15 @@ def _summary(
         "queue_ms_p50": round(statistics.median(queue), 2) if queue else float("nan"),
         "server_ms_p50": round(statistics.median(compute), 2) if compute else float("nan"),
         "batch_rows_hist": _hist_delta(before, after),
+        "rows_per_committed_token": round(rows_sent / committed, 3) if committed else None,
+        "load_p50": None
+        if not loads
+        else {
+            "peers": round(statistics.median(x.peers for x in loads), 3),
+            "row_ms": round(statistics.median(x.row_ms for x in loads), 4),
+            "busy": round(statistics.median(x.busy for x in loads), 4),
+            "fixed_ms": round(statistics.median(x.fixed_ms for x in loads), 4),
+        },
         "window_s": round(span, 2),
         "replica_sessions": _replica_delta(before, after, "replica_opened"),
         "replica_steps": _replica_delta(before, after, "replica_steps"),
@@ -367,7 +390,8 @@ def run_load(
                     say(
                         f"{t.label or t.address}: N={n:>3} B={b:>3}  {r['rows_per_s']:>8.1f} "
                         f"rows/s  p50 {r['latency_ms']['p50']:>7.1f} ms  queue p50 "
-                        f"{r['queue_ms_p50']:>6.1f} ms  errors {r['errors']}"
+                        f"{r['queue_ms_p50']:>6.1f} ms  rows/token "
+                        f"{r['rows_per_committed_token'] or 0:.2f}  errors {r['errors']}"
                         + (
                             f"  sessions per replica {r['replica_sessions']}"
                             if r["replica_sessions"]

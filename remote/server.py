@@ -703,7 +703,9 @@ class TrunkServer:
         socket thread, and the session's retry cache and in-flight count."""
         s: Session = d.job.tag
         if d.error is None:
-            frames = P.encode(P.Result(s.sid, d.job.step, d.server_ms, d.hidden, d.queue_ms))
+            frames = P.encode(
+                P.Result(s.sid, d.job.step, d.server_ms, d.hidden, d.queue_ms, d.load)
+            )
             self.stats["steps"] += 1
         else:
             code, message = d.error

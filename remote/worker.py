@@ -43,6 +43,7 @@ from engine.model import LayerStack
 from engine.quant import QuantWeight
 from engine.ragged import Part, forward_parts, make_part, open_block
 from remote.counters import WorkerCounters
+from remote.loadmeter import LoadMeter
 from remote.scheduler import Ready, Shares, chunk_rows, plan_batch
 from remote.stages import Stage
 
@@ -91,6 +92,7 @@ class Done:
     queue_ms: float  # waiting: from acceptance to the reply, less server_ms
     batch_rows: int  # rows of the batch that finished it
     error: tuple[str, str] | None = None  # (protocol error code, message)
+    load: P.Load | None = None  # the trunk's smoothed load when it finished (remote/loadmeter.py)
 
 
 class SessionState:
@@ -190,6 +192,7 @@ class TrunkWorker:
         self._threads: list[threading.Thread] = []
         self._stage_q: list[collections.deque[_Batch]] = [collections.deque() for _ in self.stages]
         self.counters = WorkerCounters()
+        self.load = LoadMeter()  # aggregate load each reply reports
         self._shares = Shares()  # the client keys' turns (scheduler thread, under the lock)
 
     # ------------------------------------------------------------------ interface
@@ -490,6 +493,11 @@ class TrunkWorker:
         for t in batch.tasks:
             rows_by_key.setdefault(t.state.owner, []).append(t.rows)
         self.counters.batch(rows_by_key, dt)
+        waiting = sum(len(s.queue) for s in self._sessions.values()) - sum(
+            1 for t in batch.tasks if t.done_rows + t.rows >= t.total
+        )
+        self.load.batch(batch.rows, len(batch.tasks), waiting, batch.t0, batch.t1)
+        load = self.load.snapshot()
         out = []
         for t in batch.tasks:
             s = t.state
@@ -517,7 +525,11 @@ class TrunkWorker:
             total_ms = (time.perf_counter() - t.job.accepted) * 1000.0
             server_ms = t.compute_s * 1000.0
             self.counters.add(s.owner, "steps")
-            out.append(Done(t.job, hidden, server_ms, max(total_ms - server_ms, 0.0), batch.rows))
+            out.append(
+                Done(
+                    t.job, hidden, server_ms, max(total_ms - server_ms, 0.0), batch.rows, None, load
+                )
+            )
         return out
 
     def _fail(self, t: _Task, error: tuple[str, str], rows: int = 0) -> Done:

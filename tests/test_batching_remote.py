@@ -89,6 +89,25 @@ def test_four_concurrent_clients_get_their_solo_tokens(server: TrunkServer, fold
     assert server.worker.stats()["shared_batches"] > before  # they did share batches
 
 
+def test_each_reply_reports_the_trunks_load(server: TrunkServer, folder: Path) -> None:
+    """Issue 32: a Result carries the worker's aggregate load, and the client keeps the latest
+    (the speculative cost model reads it; the concurrent test above runs with it on)."""
+    client = load_client(str(folder), 1)
+    with connect(server, client) as trunk:
+        assert trunk.load is None  # nothing heard yet
+        tokens(client, trunk, 0)
+        load = trunk.load
+        assert isinstance(load, P.Load)
+        assert load.peers >= 0.0 and load.row_ms > 0.0 and 0.0 <= load.busy <= 1.0
+        assert trunk.json_stats()["trunk_load"] == {
+            "peers": load.peers,
+            "row_ms": load.row_ms,
+            "busy": load.busy,
+            "fixed_ms": load.fixed_ms,
+        }
+    assert server.worker.load.batches > 0
+
+
 def test_device_stages_equal_one_device(folder: Path, server: TrunkServer) -> None:
     client = load_client(str(folder), 1)
     with connect(server, client, wire_dtype="float32") as trunk:

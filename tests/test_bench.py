@@ -70,7 +70,11 @@ def test_bench_writes_results_and_plots(tmp_path: Path, capsys: pytest.CaptureFi
     assert set(s) == {
         *("tokens_per_round_trip", "decode_tok_s", "speedup", "all_identical"),
         "draft_ms_per_round",
+        "rows_per_token",
     }
+    # trunk rows per committed token: one per token for one-token steps (issue 32)
+    assert s["rows_per_token"]["sequential"] == 1.0
+    assert s["rows_per_token"]["speculative"] >= 1.0
     assert set(s["tokens_per_round_trip"]) == {"sequential", "speculative"}
     assert s["tokens_per_round_trip"]["sequential"] == 1.0
     assert s["all_identical"] is True

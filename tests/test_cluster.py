@@ -108,8 +108,14 @@ def test_wire_round_trip(dtype: torch.dtype) -> None:
     assert m.header["want"] is False and m.header["out"] == P.dtype_name(dtype)
     d = wire.parse(wire.done_msg("inc", "s1", 7, h, 1.5, 12, None))
     assert d.kind == wire.DONE and d.tensor is not None and torch.equal(d.tensor, h)
+    assert "load" not in d.header  # a replica from before the load report
     e = wire.parse(wire.done_msg("inc", "s1", 8, None, 0.0, 0, ("internal", "boom")))
     assert e.tensor is None and e.header["err"] == ["internal", "boom"]
+    load = P.Load(2.0, 1.5, 0.5, 20.0)
+    d = wire.parse(wire.done_msg("inc", "s1", 9, None, 1.0, 3, None, load))
+    assert wire.parse_load(d.header["load"]) == load  # what the gateway's reply carries on
+    assert wire.parse_load([1.0, float("nan"), 0.5, 2.0]) is None  # a bad one is dropped
+    assert wire.parse_load(None) is None
     with pytest.raises(wire.WireError):
         wire.parse([b"x", b"\x80"])
 
@@ -505,6 +511,7 @@ def test_replica_core_serves_the_wire_without_ray(folder: Path) -> None:
         out.send_multipart(wire.open_msg("a", 1, 5, 64))
         d = step("a", 0)
         assert d.header["inc"] == core.incarnation and d.header["err"] is None
+        assert len(d.header["load"]) == 4  # the replica's load travels to the gateway
         assert d.tensor is not None and d.tensor.shape == (3, 64)
         assert core.open_sids == {"a"}  # the stranger's open never arrived
         out.send_multipart(wire.reset_msg())

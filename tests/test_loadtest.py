@@ -77,6 +77,10 @@ def test_loadtest_reports_json_and_png(
         lat = r["latency_ms"]
         assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"]
         assert r["queue_ms_p50"] >= 0
+        # 4-row trees whose kept path commits 1 to 4 tokens: 1 to 4 rows per committed token
+        assert 1.0 <= r["rows_per_committed_token"] <= 4.0
+        load = r["load_p50"]
+        assert load["row_ms"] > 0 and load["peers"] >= 0 and 0 <= load["busy"] <= 1
         # the server's batches over the run: every step and prefill row is in there
         hist = {int(k): v for k, v in r["batch_rows_hist"].items()}
         assert sum(k * v for k, v in hist.items()) == r["clients"] * (8 + 6 * 4)

@@ -302,3 +302,45 @@ def test_invite_round_trip_and_damage() -> None:
     for bad in ("hello", "veil1:", "veil1:!!!", code[:-6]):
         with pytest.raises(ValueError):
             P.parse_invite(bad)
+
+
+# ---------------------------------------------------------------- load report (issue 32)
+
+
+def test_result_load_round_trips_and_is_optional() -> None:
+    load = P.Load(peers=3.5, row_ms=2.25, busy=0.75, fixed_ms=30.5)
+    for hidden in (torch.ones(2, 4, dtype=torch.float16), None):
+        out = P.decode(_frames_to_bytes(P.encode(P.Result("sid", 3, 1.5, hidden, 0.5, load))))
+        assert isinstance(out, P.Result) and out.load == load
+    # a server from before the load report: no field, no load
+    out = P.decode(_frames_to_bytes(P.encode(P.Result("sid", 3, 1.5, None))))
+    assert isinstance(out, P.Result) and out.load is None
+    # a later server's extra keys are ignored
+    h = {"v": P.VERSION, "t": P.RESULT, "session": "s", "step": 1, "server_ms": 1.0}
+    h["load"] = {"peers": 1, "row_ms": 2, "busy": 1, "fixed_ms": 0, "later": "x"}
+    out = P.decode([msgpack.packb(h)])
+    assert isinstance(out, P.Result) and out.load == P.Load(1.0, 2.0, 1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "load",
+    [
+        "busy",
+        [1, 2, 3],
+        {"peers": 1.0, "row_ms": 2.0, "busy": 0.5},  # a key missing
+        {"peers": -1.0, "row_ms": 2.0, "busy": 0.5, "fixed_ms": 1.0},
+        {"peers": 1.0, "row_ms": float("nan"), "busy": 0.5, "fixed_ms": 1.0},
+        {"peers": 1.0, "row_ms": float("inf"), "busy": 0.5, "fixed_ms": 1.0},
+        {"peers": 1.0, "row_ms": 2.0, "busy": 1.5, "fixed_ms": 1.0},
+        {"peers": True, "row_ms": 2.0, "busy": 0.5, "fixed_ms": 1.0},
+        {"peers": "3", "row_ms": 2.0, "busy": 0.5, "fixed_ms": 1.0},
+        {"peers": 1e9, "row_ms": 2.0, "busy": 0.5, "fixed_ms": 1.0},
+        {"peers": 1.0, "row_ms": 2.0, "busy": 0.5, "fixed_ms": -3.0},
+        {f"k{i}": 0 for i in range(20)} | {"peers": 1, "row_ms": 1, "busy": 0, "fixed_ms": 0},
+    ],
+)
+def test_a_hostile_servers_load_is_refused_with_a_clear_error(load: object) -> None:
+    h = {"v": P.VERSION, "t": P.RESULT, "session": "s", "step": 1, "server_ms": 1.0, "load": load}
+    with pytest.raises(P.ProtocolError) as err:
+        P.decode([msgpack.packb(h)])
+    assert err.value.code == P.E_BAD_MESSAGE and "load" in err.value.message

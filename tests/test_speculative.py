@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import engine.speculative as spec
+from engine import protocol as P
 from engine.config import ModelConfig
 from engine.drafts import DraftTree, TreeDrafter, Verified
 from engine.generate import available_decoders, generate, generate_sequential
@@ -534,4 +535,124 @@ def test_one_token_steps_draft_nothing(models: dict[str, Path]) -> None:
     )
     assert Counting.calls == 0
     assert got.stats.one_token_steps == got.stats.round_trips - 1 == got.stats.new_tokens - 1
+    spec.forget(runner)
+
+
+# ---------------------------------------------------------------- under load (issue 32)
+
+
+def test_cost_model_shrinks_trees_as_the_reported_row_cost_rises() -> None:
+    cm = spec.CostModel()
+    for n in (1, 5, 10, 20, 40, 1, 30):
+        cm.observe(n, 0.030 + 0.001 * n)  # 30 ms fixed, 1 ms per node: big trees pay alone
+    probs = [0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.3, 0.25, 0.2, 0.1, 0.05, 0.02]
+    alone = cm.choose(probs)
+    for peers in (0.0, 0.3):  # nobody else (on average): nothing changes
+        cm.set_load(P.Load(peers=peers, row_ms=50.0, busy=1.0))
+        assert cm.shared_s == 0.0 and cm.choose(probs) == alone
+    sizes = []
+    for peers, row_ms in ((1.0, 1.0), (3.0, 2.0), (7.0, 2.0), (7.0, 10.0), (50.0, 100.0)):
+        cm.set_load(P.Load(peers=peers, row_ms=row_ms, busy=1.0))
+        assert cm.shared_s == pytest.approx(peers * row_ms / 1000)
+        sizes.append(cm.choose(probs))
+    assert alone >= sizes[0] and sizes == sorted(sizes, reverse=True)
+    assert sizes[0] > sizes[-1] == 0  # a saturated trunk: one-row rounds only
+    # the rate a learned head must beat counts the others' time too
+    cm.set_load(None)
+    own = cm.rate(8)
+    cm.set_load(P.Load(peers=7.0, row_ms=2.0, busy=1.0))
+    assert cm.rate(8) < own
+
+
+def test_office_cost_blends_own_time_and_trunk_time_by_the_others_share() -> None:
+    cm = spec.CostModel()
+    assert cm.office_line(0.2, 0.002) == (0.2, 0.002)  # no report: our own time
+    cm.set_load(P.Load(peers=0.0, row_ms=2.0, busy=1.0, fixed_ms=30.0))
+    assert cm.office_line(0.2, 0.002) == (0.2, 0.002)  # alone on the trunk: the same
+    cm.set_load(P.Load(peers=3.0, row_ms=2.0, busy=0.0, fixed_ms=30.0))  # idle between steps
+    a, b = cm.office_line(0.2, 0.002)
+    assert (a, b) == pytest.approx((0.2, 0.002 + 3 * 0.002))  # plus the others' time per row
+    cm.set_load(P.Load(peers=7.0, row_ms=2.0, busy=1.0, fixed_ms=30.0))  # saturated
+    w = 7 / 8
+    a, b = cm.office_line(0.2, 0.002)
+    assert a == pytest.approx((1 - w) * 0.2 + w * 0.030)
+    assert b == pytest.approx((1 - w) * (0.002 + 0.014) + w * 8 * 0.002)
+    assert cm.office_seconds(0.2, 5) == pytest.approx(
+        (1 - w) * 0.2 + 5 * ((1 - w) * 0.014 + w * 0.016) + w * 0.030
+    )
+
+
+def test_mode_chooser_weighs_office_seconds() -> None:
+    """A drafted round of 8 rows that commits 2 tokens in 0.15 s beats one-token steps of
+    0.1 s alone, but not on a trunk that is busy with seven others (2 ms per row, 30 ms per
+    batch): there a one-token step costs the office about 0.05 s, the drafted round 0.15 s."""
+    cost = spec.CostModel()
+    cost.set_load(P.Load(peers=7.0, row_ms=2.0, busy=1.0, fixed_ms=30.0))
+    alone, loaded = spec.ModeChooser(), spec.ModeChooser()
+    for _ in range(60):
+        for mc, office in ((alone, False), (loaded, True)):
+            one = mc.next_is_sequential()
+            rows, wall = (1, 0.1) if one else (8, 0.15)
+            mc.observe(one, cost.office_seconds(wall, rows) if office else wall, 1 if one else 2)
+    assert not alone.sequential and loaded.sequential
+
+
+class _LoadedTrunk:
+    """A local trunk that reports a load, as a remote one does after each reply."""
+
+    def __init__(self, inner: object, load: P.Load) -> None:
+        self.inner, self.load = inner, load
+        self.start, self.end = inner.start, inner.end  # type: ignore[attr-defined]
+
+    def forward(self, *a: object, **k: object) -> torch.Tensor:
+        return self.inner.forward(*a, **k)  # type: ignore[attr-defined]
+
+    def reset(self) -> None:
+        self.inner.reset()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        pass
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    fam=st.sampled_from(FAMILIES),
+    prompt=prompts,
+    max_new=st.integers(1, 24),
+    peers=st.sampled_from([0.0, 1.0, 7.0, 1000.0]),
+    row_ms=st.sampled_from([0.5, 3.0, 1000.0]),
+)
+def test_load_aware_sizing_keeps_greedy_output_exact(
+    models: dict[str, Path], fam: str, prompt: list[int], max_new: int, peers: float, row_ms: float
+) -> None:
+    base = _runner(models[fam], 1)
+    runner = SplitRunner(base.client, _LoadedTrunk(base.trunk, P.Load(peers, row_ms, 1.0)))
+    params = SamplingParams(max_new_tokens=max_new)
+    ref = generate_sequential(base, prompt, params)
+    got = spec.generate_speculative(runner, prompt, params)
+    assert got.token_ids == ref.token_ids and got.text == ref.text
+    assert spec.trunk_load(runner) == P.Load(peers, row_ms, 1.0)
+    spec.forget(runner)
+
+
+def test_a_saturated_trunk_gets_one_row_per_round(models: dict[str, Path]) -> None:
+    """Rows priced at 1000 peers x 1 s: no tree pays (no exploration rounds either)."""
+    base = _runner(models["llama"], 1)
+    heavy = P.Load(peers=1000.0, row_ms=1000.0, busy=1.0)
+    runner = SplitRunner(base.client, _LoadedTrunk(base.trunk, heavy))
+    prompt = [5, 9, 3, 5, 9, 3, 5, 9, 3, 5, 9]  # repetitive: drafts are confident
+    params = SamplingParams(max_new_tokens=24)
+    ref = generate_sequential(base, prompt, params)
+    spec.forget(runner)
+    got = spec.generate_speculative(runner, prompt, params)
+    assert got.token_ids == ref.token_ids
+    assert got.stats.tree_nodes_sent == got.stats.round_trips - 1  # the roots alone
+    spec.forget(runner)
+    free = spec.generate_speculative(
+        runner, prompt, params, options=spec.SpecOptions(load_aware=False)
+    )
+    assert free.token_ids == ref.token_ids
+    assert free.stats.tree_nodes_sent > free.stats.round_trips - 1  # alone it drafts
     spec.forget(runner)

@@ -4,6 +4,7 @@ replay and the bounded recovery of ``engine.transport.policy``)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import statistics
@@ -162,6 +163,7 @@ class RemoteTrunk(Link):
         self.reconnects = 0
         self.server_ms = 0.0
         self.queue_ms = 0.0
+        self.load: P.Load | None = None  # the trunk's load, from its latest reply (if it says)
         self._net_ms: list[float] = []
         self._ping_ms: list[float] = []
         self.closed = False
@@ -495,6 +497,8 @@ class RemoteTrunk(Link):
         self.round_trips += 1
         self.server_ms += r.server_ms
         self.queue_ms += r.queue_ms
+        if r.load is not None:
+            self.load = r.load
         self._net_ms.append(max(wall_ms - r.server_ms, 0.0))
         assert r.hidden is not None
         return r.hidden.to(torch.float32, copy=True)  # [b, H] (the frame buffer is not kept)
@@ -583,5 +587,6 @@ class RemoteTrunk(Link):
             "replayed_steps": self.replayed_steps,
             "server_ms": round(self.server_ms, 3),
             "server_queue_ms": round(self.queue_ms, 3),
+            "trunk_load": None if self.load is None else dataclasses.asdict(self.load),
             "wire_dtype": self.wire_dtype,
         }

@@ -242,5 +242,6 @@ class ReplicaCore:
             d.server_ms,
             d.batch_rows,
             d.error,
+            d.load,
         )
         self._out.send_multipart(frames, copy=False)

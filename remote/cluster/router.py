@@ -467,7 +467,9 @@ class ReplicaRouter:
         total_ms = (time.perf_counter() - job.accepted) * 1000.0
         err = h.get("err")
         error = (str(err[0]), str(err[1])) if err else None
-        done = Done(job, msg.tensor, server_ms, max(total_ms - server_ms, 0.0), h["rows"], error)
+        load = wire.parse_load(h.get("load"))
+        wait_ms = max(total_ms - server_ms, 0.0)
+        done = Done(job, msg.tensor, server_ms, wait_ms, h["rows"], error, load)
         if error is not None and error[0] == P.E_UNKNOWN_SESSION:
             # the replica does not have it (it could not allocate the cache): start afresh
             self._lose([job.sid], LOST, [job])

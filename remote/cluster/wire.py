@@ -109,6 +109,7 @@ def done_msg(
     server_ms: float,
     batch_rows: int,
     error: tuple[str, str] | None,
+    load: P.Load | None = None,
 ) -> Frames:
     header: dict[str, Any] = {
         "inc": incarnation,
@@ -118,10 +119,23 @@ def done_msg(
         "rows": int(batch_rows),
         "err": list(error) if error is not None else None,
     }
+    if load is not None:  # the replica's own load: the gateway's reply carries it on
+        header["load"] = [load.peers, load.row_ms, load.busy, load.fixed_ms]
     if hidden is not None:
         header["dt"] = P.dtype_name(hidden.dtype)
         header["shape"] = list(hidden.shape)
     return _pack(DONE, header, hidden)
+
+
+def parse_load(v: object) -> P.Load | None:
+    """A replica's load report from a ``done`` header (None when absent, or not four numbers in
+    range: the client then simply hears no load)."""
+    if not isinstance(v, list) or len(v) != 4:
+        return None
+    try:
+        return P.check_load(dict(zip(("peers", "row_ms", "busy", "fixed_ms"), v, strict=True)))
+    except P.ProtocolError:
+        return None
 
 
 @dataclass
