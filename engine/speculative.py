@@ -278,7 +278,14 @@ class ModeChooser:
         if best != self.sequential:
             self.sequential, self._interval = best, 4
         else:
-            self._interval = min(2 * self._interval, self.MAX_PROBE)
+            self._interval = min(2 * self._interval, self._max_probe())
+
+    def _max_probe(self) -> int:
+        """The longest wait between looks: ``MAX_PROBE`` rounds, four times that while the kind
+        not chosen commits less than half as fast (a look costs most then, and is least likely
+        to change the choice)."""
+        lo, hi = sorted((self.seq_rate(), self.spec_rate()))
+        return self.MAX_PROBE * (4 if lo < 0.5 * hi else 1)
 
 
 @dataclass
@@ -487,6 +494,10 @@ def generate_speculative(
         )
         stats.draft_s += time.perf_counter() - t_first
     keep: list[int] | None = None
+    # one-token steps are not shown to the drafter one by one (that would make them slower
+    # than sequential decoding's): their roots, logits rows and features wait here and are
+    # shown as one accepted chain before the next drafted round (see _catch_up)
+    pending: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
     while not done:
         if cancel is not None and cancel.cancelled:
             out.finish("cancelled")
@@ -509,6 +520,11 @@ def generate_speculative(
         if one_step:
             tree = DraftTree()
             stats.one_token_steps += 1
+        elif pending:
+            drafter.observe(_catch_up(ctx, pending, taps))
+            pending = []
+        if one_step:
+            pass
         elif opts.fixed_budget is not None:
             tree = drafter.propose(ctx, opts.fixed_budget)
             tree = limit_depth(tree, room)
@@ -563,7 +579,10 @@ def generate_speculative(
             stats.draft_s += draft_s
             break
         t_learn = time.perf_counter()
-        if isinstance(rows, LazyLogits):  # rows never computed: ids -1, probabilities 0
+        if one_step:
+            row = rows.rows.get(0) if isinstance(rows, LazyLogits) else rows[0]
+            pending.append((root_pos, row, None if feats is None else feats[:1]))
+        elif isinstance(rows, LazyLogits):  # rows never computed: ids -1, probabilities 0
             top_ids = torch.full((len(ids), TOPK), -1, dtype=torch.long)
             top_probs = torch.zeros(len(ids), TOPK)
             done_rows = sorted(rows.rows)
@@ -571,9 +590,12 @@ def generate_speculative(
             top_ids[done_rows], top_probs[done_rows] = t_ids, t_probs
         else:
             top_ids, top_probs = top_successors(rows, TOPK)  # [B, K]
-        drafter.observe(
-            Verified(ctx, ids, parents, top_ids, top_probs, path, targets, root_pos, feats, taps)
-        )
+        if not one_step:
+            drafter.observe(
+                Verified(
+                    ctx, ids, parents, top_ids, top_probs, path, targets, root_pos, feats, taps
+                )
+            )
         draft_s += time.perf_counter() - t_learn
         stats.draft_s += draft_s
         cost.observe(len(ids), t_learn - t_sent)
@@ -585,6 +607,39 @@ def generate_speculative(
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
+
+
+def _catch_up(
+    ctx: Sequence[int],
+    pending: Sequence[tuple[int, torch.Tensor | None, torch.Tensor | None]],
+    taps: tuple[int, int, int] | None,
+) -> Verified:
+    """Consecutive one-token steps as one round whose chain was all accepted (as the prompt's
+    prefill is shown): their roots, each one's next token, the model's top successors where its
+    logits row was computed, and the features a learned head reads (when every step had them)."""
+    r = pending[0][0]
+    m = len(pending)
+    tokens = list(ctx[r : r + m])
+    top_ids = torch.full((m, TOPK), -1, dtype=torch.long)  # [m, K]
+    top_probs = torch.zeros(m, TOPK)  # [m, K]
+    have = [i for i, (_, row, _) in enumerate(pending) if row is not None]
+    rows = [row for _, row, _ in pending if row is not None]
+    if rows:
+        top_ids[have], top_probs[have] = top_successors(torch.stack(rows), TOPK)  # [h, V]
+    feats = [f for _, _, f in pending if f is not None]
+    hidden = torch.cat(feats) if len(feats) == m else None  # [m, 3H]
+    return Verified(
+        ctx,
+        tokens,
+        list(range(-1, m - 1)),
+        top_ids,
+        top_probs,
+        list(range(m)),
+        {i: ctx[r + i + 1] for i in range(m)},
+        r,
+        hidden,
+        taps if hidden is not None else None,
+    )
 
 
 def trunk_load(runner: SplitRunner) -> Load | None:

@@ -461,6 +461,17 @@ def test_mode_chooser_falls_back_to_one_token_steps_when_drafting_does_not_pay()
     assert later[-mc.MAX_PROBE :].count(False) <= 1
 
 
+def test_mode_chooser_looks_less_often_when_drafting_loses_by_far() -> None:
+    far, near = spec.ModeChooser(), spec.ModeChooser()
+    # drafted rounds commit 5 tok/s (far behind 20) or 15 tok/s (near): looks every 4*64 or 64
+    far_kinds = _feed(far, (0.2, 1), 0.05, 1200)
+    near_kinds = _feed(near, (0.2, 3), 0.05, 1200)
+    assert far.sequential and near.sequential
+    assert far_kinds[-600:].count(False) <= 3  # one look per 4 * MAX_PROBE rounds
+    assert near_kinds[-600:].count(False) >= 600 // (near.MAX_PROBE + 2) - 1
+    assert far._interval == 4 * far.MAX_PROBE and near._interval == near.MAX_PROBE
+
+
 def test_mode_chooser_keeps_drafting_while_it_pays_and_switches_back() -> None:
     mc = spec.ModeChooser()
     kinds = _feed(mc, (0.1, 3), 0.05, 100)  # 30 tok/s drafted vs 20 tok/s one at a time
@@ -535,6 +546,39 @@ def test_one_token_steps_draft_nothing(models: dict[str, Path]) -> None:
     )
     assert Counting.calls == 0
     assert got.stats.one_token_steps == got.stats.round_trips - 1 == got.stats.new_tokens - 1
+    spec.forget(runner)
+
+
+def test_one_token_steps_are_shown_to_the_drafter_as_one_chain_without_gaps(
+    models: dict[str, Path],
+) -> None:
+    """One-token steps skip the drafter's learning (so they cost what sequential steps cost);
+    before the next drafted round it is shown them as one accepted chain, so every committed
+    position reaches it once, in order (a learned head loses its cache at any gap)."""
+    runner = _runner(models["llama"], 1)
+    seen: list[tuple[int, int]] = []
+
+    class Recording(TreeDrafter):
+        def observe(self, verified: Verified) -> None:
+            seen.append((verified.root_index, len(verified.path)))
+            assert verified.topk_ids.shape[0] == len(verified.tokens)
+            super().observe(verified)
+
+    spec.forget(runner)
+    spec.runner_state(runner).mode = _Scripted([True, True, True, False])
+    drafter = Recording(spec.runner_state(runner).drafter.sources)
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    ref = generate_sequential(runner, prompt, SamplingParams(max_new_tokens=24))
+    got = spec.generate_speculative(
+        runner, prompt, SamplingParams(max_new_tokens=24), drafter=drafter
+    )
+    assert got.token_ids == ref.token_ids
+    assert got.stats.one_token_steps > 0
+    assert seen[0] == (0, len(prompt))  # the prompt's chain
+    for (r, m), (r2, _) in itertools.pairwise(seen):
+        assert r2 == r + m  # no position skipped or shown twice
+    assert any(m == 3 for _, m in seen[1:])  # three one-token steps shown together
+    assert len(seen) < got.stats.round_trips  # fewer observations than rounds
     spec.forget(runner)
 
 
