@@ -223,16 +223,24 @@ class ChatController:
 
     # --- generation ---------------------------------------------------------------------------
 
-    def send(self, text: str) -> bool:
-        """Send a user message; False (and nothing changes) when busy or empty."""
-        text = text.strip()
+    def _can_send(self, text: str) -> bool:
+        """Not busy, ``text`` not empty, and a conversation to send it in (one is started
+        when none is open; a storage error is reported on store.failed and the text stays in
+        the composer)."""
         if self.busy or not text:
             return False
         if self.current is None:
             try:
                 self.new_conversation()
-            except StorageError:  # reported on store.failed; the text stays in the composer
+            except StorageError:
                 return False
+        return True
+
+    def send(self, text: str) -> bool:
+        """Send a user message; False (and nothing changes) when busy or empty."""
+        text = text.strip()
+        if not self._can_send(text):
+            return False
         assert self.current is not None
         if not self.store.messages(self.current):
             self.store.rename_conversation(self.current, title_from(text))
@@ -286,13 +294,8 @@ class ChatController:
         then the request with the joined summaries is sent in place of the full text, and the
         reply's stats say how many parts it rests on. False when busy or empty."""
         text = text.strip()
-        if self.busy or not text:
+        if not self._can_send(text):
             return False
-        if self.current is None:
-            try:
-                self.new_conversation()
-            except StorageError:
-                return False
         assert self.current is not None
         conv_id = self.current
         if not self.store.messages(conv_id):
