@@ -1,7 +1,7 @@
 """The trunk's load as each step's reply reports it (``load`` in a Result, docs/protocol.md).
 
 Three aggregate numbers, smoothed over recent batches, so a client can price the rows it sends
-by what they cost the whole office (``engine.speculative.CostModel``):
+by what they cost the whole office (``engine.spec_cost.CostModel``):
 
 * ``peers`` — other steps a step shares its batch with or waits behind: the steps of a batch
   less one, plus the steps still queued when it finished (every key's, counted, never named);

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import engine.spec_cost as sc
 import engine.speculative as spec
 from engine import protocol as P
 from engine.config import ModelConfig
@@ -350,7 +351,7 @@ def test_sampling_keeps_the_exact_distribution(
 def test_cost_model_fits_round_time_and_picks_the_best_prefix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    cm = spec.CostModel()
+    cm = sc.CostModel()
     for n in (1, 5, 10, 20, 40, 1, 30):
         cm.observe(n, 0.120 + 0.002 * n)  # 120 ms fixed, 2 ms per node
     a, b = cm.coefficients()
@@ -359,38 +360,38 @@ def test_cost_model_fits_round_time_and_picks_the_best_prefix(
     # [0.9, 0.8, 0.7, 0, 0, ...]: 8.20, 15.32, 21.43, 26.56 (best), 26.15, 25.76, 25.37, 25.00,
     # 24.64
     flat = [0.9, 0.8, 0.7, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    monkeypatch.setattr(spec, "SIZE_SLACK", 0.0)
+    monkeypatch.setattr(sc, "SIZE_SLACK", 0.0)
     assert cm.choose(flat) == 3  # the best rate
     assert cm.choose([0.9, 0.8, 0.7, 0.01, 0.01]) == 3
     assert cm.choose([]) == 0
     # with slack, the largest prefix within it of the best rate
-    monkeypatch.setattr(spec, "SIZE_SLACK", 0.03)  # floor 25.77
+    monkeypatch.setattr(sc, "SIZE_SLACK", 0.03)  # floor 25.77
     assert cm.choose(flat) == 4
     assert cm.choose([0.9, 0.8, 0.7, 0.01, 0.01]) == 5  # 25.91
-    monkeypatch.setattr(spec, "SIZE_SLACK", 0.06)  # floor 24.97
+    monkeypatch.setattr(sc, "SIZE_SLACK", 0.06)  # floor 24.97
     assert cm.choose(flat) == 7
-    cheap = spec.CostModel()
+    cheap = sc.CostModel()
     for n in (1, 8, 16, 32):
         cheap.observe(n, 0.001 + 0.01 * n)  # compute-bound: every node costs a lot
     assert cheap.choose([0.3, 0.2, 0.1]) == 0
 
 
 def test_exploration_rounds_send_a_clearly_different_size() -> None:
-    assert spec.explore_size(6, 40, 63) == 20  # twice the choice plus 8
-    assert spec.explore_size(6, 12, 63) == 3  # the proposal is too small to go up: half
-    assert spec.explore_size(40, 63, 63) == 63  # as far as the limit goes
-    assert spec.explore_size(60, 63, 63) == 30  # no room above: half
-    assert spec.explore_size(0, 30, 63) == 8
+    assert sc.explore_size(6, 40, 63) == 20  # twice the choice plus 8
+    assert sc.explore_size(6, 12, 63) == 3  # the proposal is too small to go up: half
+    assert sc.explore_size(40, 63, 63) == 63  # as far as the limit goes
+    assert sc.explore_size(60, 63, 63) == 30  # no room above: half
+    assert sc.explore_size(0, 30, 63) == 8
 
 
 def test_cost_model_slope_needs_varied_sizes() -> None:
-    cm = spec.CostModel(prior_b=0.002)
+    cm = sc.CostModel(prior_b=0.002)
     for n in (10, 12, 10, 12, 10, 12):  # variance 1: the slope would be noise
         cm.observe(n, 0.1 + 0.01 * (n == 12))
     assert cm.coefficients()[1] == pytest.approx(0.002)
     for n in (2, 30, 2, 30):
         cm.observe(n, 0.1 + 0.001 * n)
-    assert cm.spread() > spec.MIN_SPREAD
+    assert cm.spread() > sc.MIN_SPREAD
     assert cm.coefficients()[1] < 0.002
 
 
@@ -403,11 +404,11 @@ def test_prefill_is_not_a_cost_model_observation(models: dict[str, Path]) -> Non
 
 
 def test_proposal_size_follows_the_cost_models_recent_choices() -> None:
-    assert spec.proposal_size([], 64) == 64  # nothing chosen yet: draft the most
-    assert spec.proposal_size([3, 5, 2], 64) == 18  # room to double the biggest recent choice
-    assert spec.proposal_size([40], 64) == 64
-    assert spec.proposal_size([0, 0], 64) == 8
-    assert spec.proposal_size([0], 4) == 4
+    assert sc.proposal_size([], 64) == 64  # nothing chosen yet: draft the most
+    assert sc.proposal_size([3, 5, 2], 64) == 18  # room to double the biggest recent choice
+    assert sc.proposal_size([40], 64) == 64
+    assert sc.proposal_size([0, 0], 64) == 8
+    assert sc.proposal_size([0], 4) == 4
 
 
 def test_top_successors_are_the_softmax_top_k() -> None:
@@ -435,7 +436,7 @@ def test_forget_drops_what_a_runner_learned(models: dict[str, Path]) -> None:
     assert fresh.recent == []
 
 
-def _feed(mc: spec.ModeChooser, spec_round: tuple[float, int], seq_s: float, n: int) -> list[bool]:
+def _feed(mc: sc.ModeChooser, spec_round: tuple[float, int], seq_s: float, n: int) -> list[bool]:
     """Run ``n`` rounds through the chooser with fixed costs; the kinds it picked."""
     kinds = []
     for _ in range(n):
@@ -446,7 +447,7 @@ def _feed(mc: spec.ModeChooser, spec_round: tuple[float, int], seq_s: float, n: 
 
 
 def test_mode_chooser_falls_back_to_one_token_steps_when_drafting_does_not_pay() -> None:
-    mc = spec.ModeChooser()
+    mc = sc.ModeChooser()
     # drafted rounds: 0.2 s for 1.2 tokens (6 tok/s); one-token steps 0.05 s (20 tok/s)
     kinds = _feed(mc, (0.2, 1), 0.05, 200)
     assert kinds[: mc.WARM] == [False] * mc.WARM  # drafted rounds first ...
@@ -462,7 +463,7 @@ def test_mode_chooser_falls_back_to_one_token_steps_when_drafting_does_not_pay()
 
 
 def test_mode_chooser_looks_less_often_when_drafting_loses_by_far() -> None:
-    far, near = spec.ModeChooser(), spec.ModeChooser()
+    far, near = sc.ModeChooser(), sc.ModeChooser()
     # drafted rounds commit 5 tok/s (far behind 20) or 15 tok/s (near): looks every 4*64 or 64
     far_kinds = _feed(far, (0.2, 1), 0.05, 1200)
     near_kinds = _feed(near, (0.2, 3), 0.05, 1200)
@@ -473,7 +474,7 @@ def test_mode_chooser_looks_less_often_when_drafting_loses_by_far() -> None:
 
 
 def test_mode_chooser_keeps_drafting_while_it_pays_and_switches_back() -> None:
-    mc = spec.ModeChooser()
+    mc = sc.ModeChooser()
     kinds = _feed(mc, (0.1, 3), 0.05, 100)  # 30 tok/s drafted vs 20 tok/s one at a time
     assert not mc.sequential
     tail = kinds[mc.WARM + mc.SEQ_PROBE :]
@@ -484,7 +485,7 @@ def test_mode_chooser_keeps_drafting_while_it_pays_and_switches_back() -> None:
     assert not mc.sequential
 
 
-class _Scripted(spec.ModeChooser):
+class _Scripted(sc.ModeChooser):
     """A chooser that follows a fixed pattern of round kinds (and counts drafted rounds)."""
 
     def __init__(self, pattern: list[bool]) -> None:
@@ -586,7 +587,7 @@ def test_one_token_steps_are_shown_to_the_drafter_as_one_chain_without_gaps(
 
 
 def test_cost_model_shrinks_trees_as_the_reported_row_cost_rises() -> None:
-    cm = spec.CostModel()
+    cm = sc.CostModel()
     for n in (1, 5, 10, 20, 40, 1, 30):
         cm.observe(n, 0.030 + 0.001 * n)  # 30 ms fixed, 1 ms per node: big trees pay alone
     probs = [0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.3, 0.25, 0.2, 0.1, 0.05, 0.02]
@@ -609,7 +610,7 @@ def test_cost_model_shrinks_trees_as_the_reported_row_cost_rises() -> None:
 
 
 def test_office_cost_blends_own_time_and_trunk_time_by_the_others_share() -> None:
-    cm = spec.CostModel()
+    cm = sc.CostModel()
     assert cm.office_line(0.2, 0.002) == (0.2, 0.002)  # no report: our own time
     cm.set_load(P.Load(peers=0.0, row_ms=2.0, busy=1.0, fixed_ms=30.0))
     assert cm.office_line(0.2, 0.002) == (0.2, 0.002)  # alone on the trunk: the same
@@ -630,9 +631,9 @@ def test_mode_chooser_weighs_office_seconds() -> None:
     """A drafted round of 8 rows that commits 2 tokens in 0.15 s beats one-token steps of
     0.1 s alone, but not on a trunk that is busy with seven others (2 ms per row, 30 ms per
     batch): there a one-token step costs the office about 0.05 s, the drafted round 0.15 s."""
-    cost = spec.CostModel()
+    cost = sc.CostModel()
     cost.set_load(P.Load(peers=7.0, row_ms=2.0, busy=1.0, fixed_ms=30.0))
-    alone, loaded = spec.ModeChooser(), spec.ModeChooser()
+    alone, loaded = sc.ModeChooser(), sc.ModeChooser()
     for _ in range(60):
         for mc, office in ((alone, False), (loaded, True)):
             one = mc.next_is_sequential()
