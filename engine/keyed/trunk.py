@@ -155,8 +155,8 @@ def layer_tensors(w: LayerWeights, config: ModelConfig, index: int) -> dict[str,
 
 def trunk_fp(folder: Path, config: ModelConfig, start: int, end: int) -> str:
     """Fingerprint of the keyed weights in ``folder`` (as the trunk server checks them)."""
-    from engine.loading import WeightReader, weights_fingerprint
     from engine.errors import ModelLoadError
+    from engine.loading import WeightReader, weights_fingerprint
 
     try:
         reader = WeightReader(folder)
