@@ -217,8 +217,8 @@ class RemoteTrunk(Link):
 
             return KeyedError(
                 e.message,
-                hint="veil generate --org-key FILE (in the app: Settings, Organisation key); "
-                "your IT department gives out the key",
+                hint="pass --org-key FILE, or import it in the app's Settings under Organisation "
+                "key; your IT department gives it out",
             )
         if e.code == P.E_CONTEXT:
             return TransportError(e.message, hint="start a new conversation")
