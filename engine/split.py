@@ -239,6 +239,11 @@ class ClientModel:
             self.org_key = org_key if isinstance(org_key, OrgKey) else OrgKey.load(Path(org_key))
         self._keyed: KeyedTransform | None = None
 
+    def set_org_key(self, key: OrgKey | None) -> None:
+        """Use another organisation key (or none) from the next connection on."""
+        if key != self.org_key:
+            self.org_key, self._keyed = key, None
+
     @property
     def key_id(self) -> str | None:
         """The organisation key's public id (None: no key)."""
