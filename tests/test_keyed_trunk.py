@@ -329,3 +329,47 @@ def test_veil_generate_with_the_org_key_through_a_keyed_server(
         assert veil(remote) == 2
         errors = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
         assert len(errors) == 1 and "add your organisation's key" in errors[0], errors
+
+
+def test_a_ray_replica_loads_the_keyed_layers(folder: Path, tmp_path: Path) -> None:
+    """``--ray``: the gateway passes the folder on, and each replica runs the keyed layers (the
+    replica side alone, without Ray: its CURVE inbox and a stand-in gateway)."""
+    import zmq
+
+    pytest.importorskip("ray")  # the optional veil[cluster] extra
+    from remote.cluster import wire
+    from remote.cluster.gateway import replica_spec
+    from remote.cluster.options import ClusterOptions
+    from remote.cluster.replica import ReplicaCore
+    from tests.inproc_trunk import fixed_keypair
+
+    out = tmp_path / "k2"
+    prepare_keyed_trunk(str(folder), KEY, 2, out)
+    opts = ServerOptions(model=str(folder), keyed_trunk=str(out))
+    spec = replica_spec(opts, ClusterOptions(), 128)
+    assert spec.keyed_trunk == str(out)
+    gw_pub, gw_sec = fixed_keypair(21)
+    ctx = zmq.Context()
+    results = ctx.socket(zmq.PULL)
+    results.curve_server = True
+    results.curve_publickey, results.curve_secretkey = gw_pub.encode(), gw_sec.encode()
+    port = results.bind_to_random_port("tcp://127.0.0.1")
+    core = ReplicaCore(spec, "127.0.0.1", f"tcp://127.0.0.1:{port}", gw_pub)
+    push = ctx.socket(zmq.PUSH)
+    push.curve_serverkey = core.public_key.encode()
+    push.curve_publickey, push.curve_secretkey = gw_pub.encode(), gw_sec.encode()
+    push.connect(core.address)
+    try:
+        assert core.info()["layers"] == [2, 4]
+        h = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))  # [B, H]
+        push.send_multipart(wire.open_msg("a", 2, 4, 64))
+        push.send_multipart(wire.step_msg("a", 0, [0, 1, 2], None, None, h, True, torch.float32))
+        assert results.poll(30000), "no answer from the replica"
+        d = wire.parse(results.recv_multipart())
+        assert d.header["err"] is None and d.tensor is not None
+        cfg = load_config(folder)
+        ref = load_keyed_trunk(out, cfg, public_model_fp(WeightReader(folder)), 2, 4)
+        torch.testing.assert_close(d.tensor.float(), ref.forward(h, torch.arange(3)))
+    finally:
+        core.stop()
+        ctx.destroy(0)
