@@ -18,13 +18,14 @@ from engine.generate import available_decoders, generate
 from engine.keyed.transform import KeyedError, OrgKey
 from engine.keyed.trunk import (
     INFO_FILE,
-    TRUNK_FILE,
+    layer_file,
     load_keyed_trunk,
     prepare_keyed_trunk,
     public_model_fp,
     read_info,
 )
 from engine.loading import WeightReader, load_config
+from engine.model import layer_tensor_names
 from engine.sampling import SamplingParams
 from engine.split import ClientModel, SplitRunner, load_client, load_trunk
 from engine.transport import connect_trunk
@@ -91,13 +92,17 @@ def test_prepare_writes_checkpoint_tensors_and_a_description(folder: Path, keyed
     assert info.model_fp == public_model_fp(WeightReader(folder))
     d = json.loads((keyed_dir / INFO_FILE).read_text())
     assert d["format"] == 1 and d["trunk_fp"] == info.trunk_fp
-    with safe_open(str(keyed_dir / TRUNK_FILE), framework="pt") as sf:
-        names = set(sf.keys())
-        assert "model.layers.1.self_attn.q_proj.weight" in names
-        assert not any(n.startswith(("model.layers.0.", "model.layers.5.")) for n in names)
-        assert "model.embed_tokens.weight" not in names
+    with safe_open(str(keyed_dir / layer_file(3)), framework="pt") as sf:
+        assert set(sf.keys()) == set(layer_tensor_names(cfg, 3))
         assert torch.all(sf.get_tensor("model.layers.3.input_layernorm.weight") == 1)
         keyed_up = sf.get_tensor("model.layers.3.mlp.up_proj.weight")
+    names = set(WeightReader(keyed_dir).names())
+    assert "model.layers.1.self_attn.q_proj.weight" in names
+    assert not any(n.startswith(("model.layers.0.", "model.layers.5.")) for n in names)
+    assert "model.embed_tokens.weight" not in names
+    assert sorted(p.name for p in keyed_dir.glob("*.safetensors")) == [
+        layer_file(i) for i in range(1, 5)
+    ]
     plain_up = WeightReader(folder).read(["model.layers.3.mlp.up_proj.weight"])
     assert not torch.allclose(keyed_up, plain_up["model.layers.3.mlp.up_proj.weight"], atol=1e-3)
 

@@ -2,10 +2,11 @@
 
 ``veil-trunk keyed-model prepare`` writes one (:func:`prepare_keyed_trunk`):
 
-- ``trunk.safetensors``: layers [start, end) under their checkpoint names
-  (``model.layers.5.self_attn.q_proj.weight`` ...), with every norm weight folded into the
-  matrices (the stored norms are all ones), so :class:`engine.loading.WeightReader` reads it
-  like any checkpoint;
+- ``trunk-00005.safetensors`` ...: one file per layer of [start, end), the tensors under their
+  checkpoint names (``model.layers.5.self_attn.q_proj.weight`` ...), every norm weight folded
+  into the matrices (the stored norms are all ones), and ``model.safetensors.index.json``, so
+  :class:`engine.loading.WeightReader` reads the folder like any sharded checkpoint (and
+  ``prepare`` holds one layer in memory at a time);
 - ``keyed.json`` (:class:`KeyedInfo`): the format version, the public model's label, config
   fingerprint and weights fingerprint, the key's public id, the layer range, the noise and the
   keyed weights' own fingerprint.
@@ -40,7 +41,13 @@ from engine.keyed.transform import (
 from engine.model import LayerWeights, layer_tensor_names
 
 FORMAT_VERSION = 1
-TRUNK_FILE = "trunk.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def layer_file(index: int) -> str:
+    return f"trunk-{index:05d}.safetensors"
+
+
 INFO_FILE = "keyed.json"
 
 Progress = Callable[[str, float], None]
@@ -57,7 +64,7 @@ class KeyedInfo:
     start: int
     end: int
     noise: float
-    trunk_fp: str  # fingerprint of the keyed weights in trunk.safetensors
+    trunk_fp: str  # fingerprint of the keyed weights (the layer files)
     format: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -205,19 +212,20 @@ def prepare_keyed_trunk(
     model_fp = public_model_fp(base)
     reader = client_reader(base, resolved, config, "none")
     transform = derive(key, config, model_fp, start, end, noise)
-    tensors: dict[str, torch.Tensor] = {}
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
     for j, i in enumerate(range(start, end)):
         if progress is not None:
             progress("keying the trunk layers", j / (end - start))
         w = read_layers(reader, config, [i], torch.float32, "cpu")[i]
         noise_rng = _rng(key, model_fp, f"noise {i}")
         kw = key_layer(w, config, transform.q, transform.layers[j], noise, noise_rng)
-        tensors.update({k: v.to(dtype) for k, v in layer_tensors(kw, config, i).items()})
+        tensors = {k: v.to(dtype) for k, v in layer_tensors(kw, config, i).items()}
+        save_file(tensors, str(out / layer_file(i)), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, layer_file(i)))
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     if progress is not None:
         progress("keying the trunk layers", 1.0)
-        progress("writing the keyed trunk", 0.0)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / TRUNK_FILE), metadata={"format": "pt"})
     info = KeyedInfo(
         model=model_label(resolved),
         config_fp=config.fingerprint(),
@@ -231,8 +239,6 @@ def prepare_keyed_trunk(
     tmp = out / (INFO_FILE + ".tmp")
     tmp.write_text(info.to_json())
     os.replace(tmp, out / INFO_FILE)
-    if progress is not None:
-        progress("writing the keyed trunk", 1.0)
     return info
 
 
