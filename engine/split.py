@@ -359,7 +359,6 @@ class SplitRunner:
     def __init__(self, client: ClientModel, trunk: Trunk | None) -> None:
         self.client = client
         self.trunk = trunk
-        self.keyed: KeyedTransform | None = None  # the trunk's secret basis (a keyed trunk)
         self.check()
 
     def check(self) -> None:
@@ -373,21 +372,24 @@ class SplitRunner:
                 f"trunk serves layers [{self.trunk.start}, {self.trunk.end}) but the split needs "
                 f"{list(plan.trunk_range)}"
             )
-        key_id = getattr(self.trunk, "key_id", None)
-        self.keyed = None
-        if key_id is not None:
-            if self.client.key_id != key_id:
-                from engine.keyed.transform import KeyedError
+        self.keyed  # noqa: B018 - a keyed trunk needs this client's key: refused here, at once
 
-                raise KeyedError(
-                    f"the trunk runs a model keyed to organisation key {key_id}; "
-                    + (
-                        f"this computer's key is {self.client.key_id}"
-                        if self.client.key_id
-                        else "add your organisation's key"
-                    )
-                )
-            self.keyed = self.client.keyed()
+    @property
+    def keyed(self) -> KeyedTransform | None:
+        """The trunk's secret basis when it runs a model keyed to an organisation key (then
+        what is sent is ``keyed.rotate_in(h)``), else None."""
+        key_id = getattr(self.trunk, "key_id", None) if self.remote else None
+        if key_id is None:
+            return None
+        if self.client.key_id != key_id:
+            from engine.keyed.transform import KeyedError
+
+            mine = self.client.key_id
+            raise KeyedError(
+                f"the trunk runs a model keyed to organisation key {key_id}; "
+                + (f"this computer's key is {mine}" if mine else "add your organisation's key")
+            )
+        return self.client.keyed()
 
     @property
     def remote(self) -> bool:
@@ -442,12 +444,13 @@ class SplitRunner:
         t = h
         if self.remote:
             assert self.trunk is not None
-            if self.keyed is None:
+            keyed = self.keyed
+            if keyed is None:
                 t = self.trunk.forward(h, pos_t, parents, keep).to(device=c.device, dtype=c.dtype)
             else:  # a keyed trunk: it sees h @ q and answers in that basis
-                sent = self.keyed.rotate_in(h)  # [B, H]
+                sent = keyed.rotate_in(h)  # [B, H]
                 got = self.trunk.forward(sent, pos_t, parents, keep)
-                t = self.keyed.rotate_out(got.to(device=c.device, dtype=c.dtype))  # [B, H]
+                t = keyed.rotate_out(got.to(device=c.device, dtype=c.dtype))  # [B, H]
         return BlockStates(h, t, c.tail.forward(t, pos_t, parents, keep))
 
 

@@ -378,3 +378,32 @@ def test_a_ray_replica_loads_the_keyed_layers(folder: Path, tmp_path: Path) -> N
     finally:
         core.stop()
         ctx.destroy(0)
+
+
+def test_the_part_a_keyed_server_ships_is_public_and_works_with_the_key(
+    folder: Path, keyed_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only an invite and the key: the server's client part (public weights, its manifest's
+    model fingerprint) gives the client the same rotation as IT's prepare."""
+    from engine.session import RunnerOptions, open_runner
+    from tests.delivery_support import invite, laptop, shipping_server
+
+    laptop(monkeypatch, tmp_path / "cache")
+    key = tmp_path / "org.key"
+    KEY.save(key)
+    with shipping_server(folder, tmp_path / "parts", keyed_trunk=str(keyed_dir)) as srv:
+        opts = RunnerOptions(model=None, server=invite(srv), local_layers=1, org_key=str(key))
+        runner = open_runner(opts, None)
+        try:
+            assert runner.keyed is not None and getattr(runner.trunk, "key_id", None) == KEY.key_id
+            got = generate(runner, PROMPT, GREEDY).token_ids
+        finally:
+            assert runner.trunk is not None
+            runner.trunk.close()
+    part = opts.fetched
+    assert part is not None and part.manifest.k_min == 1
+    # the shipped weights are the public model's: the same tensors as the model file
+    with safe_open(str(next(part.folder.glob("*.safetensors"))), framework="pt") as sf:
+        name = "model.layers.0.mlp.up_proj.weight"
+        assert torch.equal(sf.get_tensor(name), WeightReader(folder).read([name])[name])
+    assert got == plain_tokens(folder, 1)
