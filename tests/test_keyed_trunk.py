@@ -133,6 +133,9 @@ def test_the_keyed_split_through_the_server_gives_the_plain_models_tokens(
             got = generate(runner, PROMPT, GREEDY, decoder=dec).token_ids
             assert got == plain_tokens(folder, 1, dec), dec
     assert server.public_stats()["key_id"] == KEY.key_id
+    from remote.status import format_status
+
+    assert f"keyed to organisation key {KEY.key_id}" in format_status(server.public_stats(), "x")
 
 
 def test_a_client_keeping_more_layers_runs_a_sub_range_of_the_keyed_trunk(
