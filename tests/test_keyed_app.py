@@ -100,8 +100,11 @@ def test_the_app_connects_with_the_imported_key_and_shows_the_keyed_audit(
             src = tmp_path / "it.key"
             KEY.save(src)
             org_key.import_key(app.folder, src)
+            refreshed: list[int] = []
+            app.split_changed.connect(refreshed.append)
+            app.connect_now()  # (inline executor) the panel is told to show the keyed figures
+            assert app.host.key_id == KEY.key_id and refreshed == [1]
             runner = app.host.ensure_ready_blocking()
-            assert app.host.key_id == KEY.key_id
             got = generate(runner, PROMPT, GREEDY).token_ids
             client = load_client(str(tiny), 1)
             plain = SplitRunner(client, load_trunk(client.resolved, 1, 5))

@@ -86,6 +86,7 @@ class AppController:
         self.load_failed = Event()  # (VeilError)
         self.model_unavailable = False  # the selected model failed to load: none is in use
         self.split_changed = Event()  # (k)
+        self._shown_key_id: str | None = None  # the keyed audit the privacy panel shows
         self.resolved = Event()  # (cause) a problem of this cause is gone: clear its banners
         for ev in (self.chat.gauges, self.drafting.gauges):
             ev.connect(self._on_gauges)
@@ -314,6 +315,10 @@ class AppController:
         self.gauges_changed.emit(g)
 
     def _on_state(self, state: str) -> None:
+        key_id = self.host.key_id
+        if key_id != self._shown_key_id:  # a keyed server connected (or gone): other figures
+            self._shown_key_id = key_id
+            self.split_changed.emit(self.settings.local_layers)
         g = self.gauge_state
         g.connection = state
         if state == LOCAL:
