@@ -410,3 +410,25 @@ def test_the_part_a_keyed_server_ships_is_public_and_works_with_the_key(
         name = "model.layers.0.mlp.up_proj.weight"
         assert torch.equal(sf.get_tensor(name), WeightReader(folder).read([name])[name])
     assert got == plain_tokens(folder, 1)
+
+
+def test_veil_bench_measures_the_keyed_split(
+    folder: Path, keyed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine import kernels
+
+    key = tmp_path / "org.key"
+    KEY.save(key)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "category": "code", "prompt": "def f(x):"}) + "\n")
+    argv = ["bench", "--prompts", str(prompts), "--model", str(folder), "--local-layers", "1"]
+    argv += ["--rtt-ms", "0", "--sweep-rtt", "0", "--max-new-tokens", "4", "--threads", "1"]
+    argv += ["--kernel-threads", "1", "--out", str(tmp_path / "out")]
+    try:
+        assert veil([*argv, "--org-key", str(key)]) == 2
+        assert "go together" in capsys.readouterr().err
+        assert veil([*argv, "--org-key", str(key), "--keyed-trunk", str(keyed_dir)]) == 0
+    finally:
+        kernels.set_threads(None)  # the bench sets the process-wide kernel threads
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert res["key_id"] == KEY.key_id and res["prompts"][0]["identical"]
