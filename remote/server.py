@@ -194,8 +194,6 @@ class TrunkServer:
         """The keyed trunk folder, checked against the public model; narrows [lo, hi) to it."""
         from engine.keyed.trunk import check_keyed_trunk, public_model_fp
 
-        if opts.quant not in ("auto", "none"):
-            raise ValueError("a keyed trunk runs float layers: use --quant none (or auto)")
         if progress is not None:
             progress("checking the keyed trunk", 0.0)
         info = check_keyed_trunk(
@@ -223,8 +221,14 @@ class TrunkServer:
         cpu_only = all(d.type == "cpu" for d, _, _ in plan)
         quant = resolve_quant(opts.quant, self.resolved) if cpu_only else "none"
         if opts.keyed_trunk is not None:  # float layers in the organisation's basis
-            quant = "none"
+            # auto: float (there are no quantized blocks of keyed weights); int8/int4 on a CPU
+            # quantize them at load, not cached (the quant cache is the public model's)
+            quant = opts.quant if cpu_only and opts.quant in ("int8", "int4") else "none"
             reader: Any = WeightReader(Path(opts.keyed_trunk))
+            if quant != "none":
+                from engine.quant.load import QuantizingReader
+
+                reader = QuantizingReader(reader, quant, None)
         else:
             reader = client_reader(self.reader, self.resolved, self.config, quant)
         gguf = gguf_weights_of(reader)

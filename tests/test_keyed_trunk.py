@@ -432,3 +432,17 @@ def test_veil_bench_measures_the_keyed_split(
         kernels.set_threads(None)  # the bench sets the process-wide kernel threads
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     assert res["key_id"] == KEY.key_id and res["prompts"][0]["identical"]
+
+
+def test_a_keyed_trunk_can_be_held_as_int8_on_a_cpu(folder: Path, keyed_dir: Path) -> None:
+    cfg = load_config(folder)
+    ref = load_keyed_trunk(keyed_dir, cfg, public_model_fp(WeightReader(folder)), 1, 5)
+    h = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1))  # [B, H]
+    want = ref.forward(h, torch.arange(5))
+    with trunk_in_thread(folder, keyed_trunk=str(keyed_dir), quant="int8") as srv:
+        flt = sum(w.nbytes() for w in ref.stack.layers)  # the same layers as float32
+        assert srv.weight_bytes < flt / 2  # quantized at load
+        client = load_client(str(folder), 1, org_key=KEY)
+        with connect(srv, client) as trunk:
+            got = trunk.forward(h, torch.arange(5))
+    assert (got - want).norm() / want.norm() < 0.05  # int8 rounding of the keyed weights only
