@@ -446,3 +446,21 @@ def test_a_keyed_trunk_can_be_held_as_int8_on_a_cpu(folder: Path, keyed_dir: Pat
         with connect(srv, client) as trunk:
             got = trunk.forward(h, torch.arange(5))
     assert (got - want).norm() / want.norm() < 0.05  # int8 rounding of the keyed weights only
+
+
+def test_prepare_equals_keying_the_whole_range_noise_included(folder: Path, tmp_path: Path) -> None:
+    """Layer by layer on disk is the same as ``key_layers`` over [K, L-K) (the noise drawn from
+    the key per layer), so IT's folder and the audit's keyed model agree."""
+    from engine.keyed.transform import derive, key_layers
+    from engine.split import read_layers
+
+    out = tmp_path / "noisy"
+    info = prepare_keyed_trunk(str(folder), KEY, 1, out, noise=0.01)
+    assert info.noise == 0.01
+    cfg = load_config(folder)
+    fp = public_model_fp(WeightReader(folder))
+    t = derive(KEY, cfg, fp, 1, 5, 0.01)
+    want = key_layers(load_trunk(str(folder), 1, 5, quant="none").stack.layers, cfg, t, KEY, fp)
+    got = read_layers(WeightReader(out), cfg, range(1, 5), torch.float32, "cpu")
+    for j, w in enumerate(want):
+        assert torch.equal(w.wqkv, got[1 + j].wqkv) and torch.equal(w.wdown, got[1 + j].wdown)

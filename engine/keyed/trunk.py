@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,9 @@ from engine.keyed.transform import (
     KeyedError,
     KeyedTransform,
     OrgKey,
-    _rng,
     check_supported,
     derive,
-    key_layer,
+    key_layers,
 )
 from engine.model import LayerWeights, layer_tensor_names
 
@@ -218,8 +217,8 @@ def prepare_keyed_trunk(
         if progress is not None:
             progress("keying the trunk layers", j / (end - start))
         w = read_layers(reader, config, [i], torch.float32, "cpu")[i]
-        noise_rng = _rng(key, model_fp, f"noise {i}")
-        kw = key_layer(w, config, transform.q, transform.layers[j], noise, noise_rng)
+        one = replace(transform, start=i, end=i + 1, layers=[transform.layers[j]])
+        kw = key_layers([w], config, one, key, model_fp)[0]  # (one layer in memory at a time)
         tensors = {k: v.to(dtype) for k, v in layer_tensors(kw, config, i).items()}
         save_file(tensors, str(out / layer_file(i)), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, layer_file(i)))
