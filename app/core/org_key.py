@@ -15,11 +15,10 @@ log = logging.getLogger("veil.app")
 KEY_FILE = "organisation.key"
 
 EXPLANATION = (
-    "If your organisation's server runs a model keyed to your organisation, Veil needs your "
-    "organisation's key to use it: the key turns the numbers sent to the server into a form "
-    "only your organisation can read back. Import the key file your IT department gave you; "
-    "Veil keeps a copy that only you can read. If you lose it, IT must give it to you again: "
-    "the server does not have it and cannot recover it."
+    "If your IT department says your organisation's server uses an organisation key, import "
+    "the key file they gave you: the server's model works only together with that key. Veil "
+    "keeps a copy that only you can read. If you lose it, IT must give it to you again: the "
+    "server does not have it and cannot recover it."
 )
 
 

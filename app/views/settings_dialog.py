@@ -134,15 +134,15 @@ class SettingsDialog(QDialog):
         key_row.addWidget(show)
         key_row.addWidget(self.copy_key)
         form.addRow("This computer's key:", key_row)
-        sl.addLayout(form)
         note = QLabel(
             "Send this computer's key to your IT department so the server lets it in. "
             + key_storage_text()
         )
         note.setWordWrap(True)
         note.setObjectName("Small")
-        sl.addWidget(note)
-        sl.addLayout(self._org_key_row())
+        form.addRow(note)
+        self._org_key_rows(form)
+        sl.addLayout(form)
         sl.addStretch(1)
         self.server_radio.toggled.connect(self.invite.setEnabled)
         self.server_radio.toggled.connect(lambda _on: self.check_invite(show_error=False))
@@ -414,11 +414,8 @@ class SettingsDialog(QDialog):
         if path:
             self.model.setText(path)
 
-    def _org_key_row(self) -> QVBoxLayout:
+    def _org_key_rows(self, form: QFormLayout) -> None:
         """Organisation key: what is imported, Import key…, Remove, and what the key is for."""
-        box = QVBoxLayout()
-        box.setSpacing(4)
-        form = QFormLayout()
         row = QHBoxLayout()
         self.org_key_status = QLabel()
         self.org_key_status.setWordWrap(True)
@@ -434,13 +431,11 @@ class SettingsDialog(QDialog):
         row.addWidget(self.org_key_import)
         row.addWidget(self.org_key_remove)
         form.addRow("Organisation key:", row)
-        box.addLayout(form)
         why = QLabel(org_key.EXPLANATION)
         why.setWordWrap(True)
         why.setObjectName("Small")
-        box.addWidget(why)
+        form.addRow(why)
         self._show_org_key(org_key.installed(self.key_folder))
-        return box
 
     def _show_org_key(self, key: OrgKey | None, error: str = "") -> None:
         label = self.org_key_status
