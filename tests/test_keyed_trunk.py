@@ -233,6 +233,19 @@ def test_a_keyed_trunk_for_another_model_or_a_damaged_one_is_refused(
         TrunkServer(ServerOptions(model=str(other), insecure=True, keyed_trunk=str(keyed_dir)))
     with pytest.raises(KeyedError, match="not a keyed trunk folder"):
         TrunkServer(ServerOptions(model=str(folder), insecure=True, keyed_trunk=str(tmp_path)))
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(keyed_dir, bad)
+    torn = bad / layer_file(2)
+    with safe_open(str(torn), framework="pt") as sf:
+        t = {n: sf.get_tensor(n) for n in sf.keys()}  # noqa: SIM118
+    t["model.layers.2.mlp.up_proj.weight"][0, 0] += 1.0  # a changed first row
+    from safetensors.torch import save_file
+
+    save_file(t, str(torn))
+    with pytest.raises(KeyedError, match="is damaged: its weights do not match"):
+        TrunkServer(ServerOptions(model=str(folder), insecure=True, keyed_trunk=str(bad)))
 
 
 def test_open_and_opened_carry_the_key_id() -> None:
