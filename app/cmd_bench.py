@@ -91,6 +91,14 @@ def add_parser(sub: Any) -> None:
         help="learned draft head for the speculative decoder (default: the one shipped for the "
         "model, if any)",
     )
+    p.add_argument(
+        "--keyed-trunk",
+        default=None,
+        metavar="DIR",
+        help="serve this keyed trunk (`veil-trunk keyed-model prepare`) and connect with "
+        "--org-key: the organisation-keyed split's cost",
+    )
+    p.add_argument("--org-key", default=None, metavar="FILE", help="the key of --keyed-trunk")
     p.add_argument("--out", default=None, metavar="DIR")
     p.set_defaults(func=run)
     from app import cmd_bench_client
@@ -375,12 +383,16 @@ def run(args: argparse.Namespace) -> int:
     kernels.set_int8_activations(not args.exact_float)
     progress = CliProgress()
     dtype = parse_dtype(args.dtype)
+    keyed = getattr(args, "keyed_trunk", None)
+    if (keyed is None) != (getattr(args, "org_key", None) is None):
+        raise BenchError("--keyed-trunk and --org-key go together")
     client = load_client(
         args.model,
         args.local_layers,
         dtype=dtype,
         progress=progress,
         client_quant=args.client_quant,
+        org_key=getattr(args, "org_key", None),
     )
     progress.close()
     if client.plan.fully_local:
@@ -396,6 +408,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         threads=threads,
         kernel_threads=kernel_threads,
+        extra_args=["--keyed-trunk", str(keyed)] if keyed else (),
     ) as srv:
         proxy = WanProxy(
             "127.0.0.1", srv.port, args.rtt_ms, bandwidth_mbit=args.bandwidth_mbit
@@ -461,6 +474,7 @@ def run(args: argparse.Namespace) -> int:
         "wire_dtype": args.wire_dtype,
         "dtype": str(dtype).removeprefix("torch."),
         "client_quant": client.client_quant,
+        "key_id": client.key_id,  # an organisation-keyed trunk (None: the public model)
         "int8_activations": kernels.int8_activations(),
         "machine": machine(),
         "client_threads": torch.get_num_threads(),

@@ -67,6 +67,13 @@ def add_common_model_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="organisation-private head/tail layers made by `veil privatize`",
     )
+    p.add_argument(
+        "--org-key",
+        default=None,
+        metavar="FILE",
+        help="your organisation's key, for a trunk server that runs a model keyed to it "
+        "(`veil-trunk keyed-model`); IT gives it out. A trunk run on this computer ignores it",
+    )
 
 
 def add_parser(sub: Any) -> None:
@@ -151,6 +158,7 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
         device=args.device,
         private_weights=getattr(args, "private_weights", None),
         client_quant=getattr(args, "client_quant", "auto"),
+        org_key=getattr(args, "org_key", None),
         confirm_download=download_prompt(bool(getattr(args, "yes", False))),
     )
 

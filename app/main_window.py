@@ -315,7 +315,7 @@ class MainWindow(QMainWindow):
     # --- dialogs ------------------------------------------------------------------------------
 
     def open_settings(self) -> None:
-        dlg = SettingsDialog(self.app.settings, self)
+        dlg = SettingsDialog(self.app.settings, self, key_folder=self.app.folder)
         if run_modal(dlg) and dlg.result_settings is not None:
             self.apply_settings(dlg.result_settings, reconnect=True)
 

@@ -61,6 +61,7 @@ E_CONTEXT = "context"  # position beyond the session's max context
 E_INTERNAL = "internal"  # unexpected server failure (the session is dropped)
 E_DENIED = "denied"  # this key is not (or no longer) allowed, or the id belongs to another key
 E_PART = "part"  # no such client part: the server ships none, or its model changed since
+E_KEY = "key"  # the organisation key of the session and of the server's keyed model differ
 ERROR_CODES = (
     E_BAD_MESSAGE,
     E_VERSION,
@@ -74,6 +75,7 @@ ERROR_CODES = (
     E_INTERNAL,
     E_DENIED,
     E_PART,
+    E_KEY,
 )
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -137,6 +139,9 @@ class Open:
     # the whole model's weights fingerprint, from a client part the server shipped (None: a
     # model the client loaded itself); a server shipping another model refuses the session
     model_fp: str | None = None
+    # the public id of the organisation key the client holds (None: none): a server running a
+    # keyed model opens a session only for its own key id, a plain server only for None
+    key_id: str | None = None
 
 
 @dataclass
@@ -146,6 +151,10 @@ class Opened:
     end: int
     max_context: int
     server_dtype: str
+    # the organisation key id of the keyed model the session runs (None: the public model). A
+    # client that sent a key id checks it here too (a server older than keyed models ignores
+    # the Open's key_id and answers without one)
+    key_id: str | None = None
 
 
 @dataclass
@@ -289,6 +298,7 @@ def encode(msg: Message) -> list[Frame]:
                 hidden_size=msg.hidden_size,
                 max_context=msg.max_context,
                 model_fp=msg.model_fp,
+                key_id=msg.key_id,
             )
         ]
     if isinstance(msg, Opened):
@@ -300,6 +310,7 @@ def encode(msg: Message) -> list[Frame]:
                 end=msg.end,
                 max_context=msg.max_context,
                 server_dtype=msg.server_dtype,
+                key_id=msg.key_id,
             )
         ]
     if isinstance(msg, Step):
@@ -585,6 +596,7 @@ def decode(frames: Sequence[Any]) -> Message:
             hidden_size=_int(h, "hidden_size", 1, MAX_HIDDEN),
             max_context=_int(h, "max_context", 1, MAX_POSITION),
             model_fp=_str(h, "model_fp", 128, optional=True),
+            key_id=_str(h, "key_id", MAX_ID_LEN, optional=True),
         )
     if t == OPENED:
         return Opened(
@@ -593,6 +605,7 @@ def decode(frames: Sequence[Any]) -> Message:
             end=_int(h, "end", 0, 100_000),
             max_context=_int(h, "max_context", 1, MAX_POSITION),
             server_dtype=str(_str(h, "server_dtype", 16)),
+            key_id=_str(h, "key_id", MAX_ID_LEN, optional=True),
         )
     if t == STEP:
         # Sizes first, entries last: a message whose lists disagree with its tensor is refused

@@ -52,6 +52,9 @@ class RunnerOptions:
     client_quant: str = (
         "auto"  # the client's matrices: auto (GGUF kept quantized), none, int8, int4
     )
+    # the organisation key file for a server that runs a keyed model (a trunk run in this
+    # process is the public model's and ignores it)
+    org_key: str | None = None
     # asked before the server's model is downloaded: (manifest, bytes to fetch) -> go ahead?
     confirm_download: Callable[[Any, int], bool] | None = None
     fetched: Any = None  # set by open_runner: the server's part it loaded (InstalledPart)
@@ -98,5 +101,6 @@ def open_runner(opts: RunnerOptions, progress: Progress | None = None) -> SplitR
         progress=progress,
         private_weights=opts.private_weights,
         client_quant=opts.client_quant,
+        org_key=opts.org_key,
     )
     return SplitRunner(client, open_trunk(client, opts, progress))

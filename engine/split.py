@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.errors import SplitError
 from engine.kernels import linear
+from engine.keyed.transform import KeyedTransform, OrgKey
 from engine.loading import (
     Progress,
     ResolvedModel,
@@ -86,6 +87,8 @@ class Trunk(Protocol):
 
     start: int
     end: int
+    # A trunk may also have ``key_id``: an organisation key's public id when it computes in that
+    # key's secret basis (then the runner sends ``h @ q`` and turns the answer back).
 
     def forward(
         self,
@@ -108,6 +111,7 @@ class LocalTrunk:
         self.start = stack.start
         self.end = stack.end
         self.round_trips = 0
+        self.key_id: str | None = None  # set by engine.keyed.trunk.load_keyed_trunk
 
     def forward(
         self,
@@ -187,6 +191,7 @@ class ClientModel:
         tokenizer: Any = None,
         private_weights: str | Path | None = None,
         client_quant: str = "none",
+        org_key: OrgKey | str | Path | None = None,
     ) -> None:
         self.resolved = resolved
         self.name = resolved.name
@@ -228,6 +233,32 @@ class ClientModel:
         self.head = LayerStack(cfg, 0, [])
         self.tail = LayerStack(cfg, cfg.n_layers, [])
         self.set_split(plan)
+        # the organisation key (a keyed trunk server); the rotation is derived on first use
+        self.org_key: OrgKey | None = None
+        if org_key is not None:
+            self.org_key = org_key if isinstance(org_key, OrgKey) else OrgKey.load(Path(org_key))
+        self._keyed: KeyedTransform | None = None
+
+    def set_org_key(self, key: OrgKey | None) -> None:
+        """Use another organisation key (or none) from the next connection on."""
+        if key != self.org_key:
+            self.org_key, self._keyed = key, None
+
+    @property
+    def key_id(self) -> str | None:
+        """The organisation key's public id (None: no key)."""
+        return self.org_key.key_id if self.org_key is not None else None
+
+    def keyed(self) -> KeyedTransform:
+        """The organisation key's change of basis for this model (derived once)."""
+        if self.org_key is None:
+            raise SplitError("this trunk runs a keyed model, but no organisation key is loaded")
+        if self._keyed is None:
+            from engine.keyed.trunk import client_model_fp, client_transform
+
+            fp = client_model_fp(self.resolved.folder, self.reader)
+            self._keyed = client_transform(self.org_key, self.config, fp)
+        return self._keyed
 
     def set_split(self, plan: SplitPlan) -> None:
         """Re-split: read newly needed layers, drop ones no longer local. Caches are reset."""
@@ -341,6 +372,24 @@ class SplitRunner:
                 f"trunk serves layers [{self.trunk.start}, {self.trunk.end}) but the split needs "
                 f"{list(plan.trunk_range)}"
             )
+        self.keyed  # noqa: B018 - a keyed trunk needs this client's key: refused here, at once
+
+    @property
+    def keyed(self) -> KeyedTransform | None:
+        """The trunk's secret basis when it runs a model keyed to an organisation key (then
+        what is sent is ``keyed.rotate_in(h)``), else None."""
+        key_id = getattr(self.trunk, "key_id", None) if self.remote else None
+        if key_id is None:
+            return None
+        if self.client.key_id != key_id:
+            from engine.keyed.transform import KeyedError
+
+            mine = self.client.key_id
+            raise KeyedError(
+                f"the trunk runs a model keyed to organisation key {key_id}; "
+                + (f"this computer's key is {mine}" if mine else "add your organisation's key")
+            )
+        return self.client.keyed()
 
     @property
     def remote(self) -> bool:
@@ -395,7 +444,13 @@ class SplitRunner:
         t = h
         if self.remote:
             assert self.trunk is not None
-            t = self.trunk.forward(h, pos_t, parents, keep).to(device=c.device, dtype=c.dtype)
+            keyed = self.keyed
+            if keyed is None:
+                t = self.trunk.forward(h, pos_t, parents, keep).to(device=c.device, dtype=c.dtype)
+            else:  # a keyed trunk: it sees h @ q and answers in that basis
+                sent = keyed.rotate_in(h)  # [B, H]
+                got = self.trunk.forward(sent, pos_t, parents, keep)
+                t = keyed.rotate_out(got.to(device=c.device, dtype=c.dtype))  # [B, H]
         return BlockStates(h, t, c.tail.forward(t, pos_t, parents, keep))
 
 
@@ -410,12 +465,15 @@ def load_client(
     private_weights: str | Path | None = None,
     client_quant: str = "auto",
     warm_up: bool = False,
+    org_key: OrgKey | str | Path | None = None,
 ) -> ClientModel:
     """The client for ``spec``. ``client_quant``: ``auto`` (a GGUF file's matrices stay in
     their quantized blocks; float checkpoints stay float), ``none`` (everything float: the
     reference path), ``int8`` or ``int4`` (quantized at load, cached). ``warm_up``: run one
     token through it under a "preparing kernels" label (the app: the kernels' one-time
-    compiles then happen while loading says so, not inside the first reply)."""
+    compiles then happen while loading says so, not inside the first reply). ``org_key``: the
+    organisation key (an :class:`OrgKey` or its file) for a trunk server that runs a keyed
+    model; a trunk in this process (the public model's) ignores it."""
     resolved = spec if isinstance(spec, ResolvedModel) else resolve(spec, progress)
     config = load_config(resolved.folder)
     if tail_layers is None:
@@ -430,6 +488,7 @@ def load_client(
         config=config,
         private_weights=private_weights,
         client_quant=client_quant,
+        org_key=org_key,
     )
     if warm_up:
         if progress is not None:

@@ -241,6 +241,14 @@ def build_parser() -> Parser:
 
     add_serve_args(s)
     delivery_cli.add_serve_args(s)
+    s.add_argument(
+        "--keyed-trunk",
+        default=None,
+        metavar="DIR",
+        help="run the trunk layers from a folder made by `veil-trunk keyed-model prepare` (keyed "
+        "to an organisation key; clients need that key); the model, its tokenizer and the "
+        "client part it ships stay the public --model's",
+    )
 
     k = sub.add_parser("keygen", help="make the server keypair (secret file mode 0600)")
     _keys_arg(k)
@@ -293,6 +301,9 @@ def build_parser() -> Parser:
 
     loadtest_cli.add_parser(sub)
     delivery_cli.add_parsers(sub, _keys_arg)
+    from remote import keyed_cli
+
+    keyed_cli.add_parsers(sub)
     return p
 
 
@@ -498,6 +509,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         batching=not args.no_batching,
         quant=args.quant,
+        keyed_trunk=args.keyed_trunk,
         **delivery_cli.serve_options(args, sign is not None),
     )
     if (
@@ -640,6 +652,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keyed_model(args: argparse.Namespace) -> int:
+    from remote.keyed_cli import cmd_keyed_model
+
+    return cmd_keyed_model(args)
+
+
 def cmd_loadtest(args: argparse.Namespace) -> int:
     from remote.loadtest_cli import run
 
@@ -656,6 +674,7 @@ COMMANDS = {
     "invite": cmd_invite,
     "part": delivery_cli.cmd_part,
     "audit": delivery_cli.cmd_audit,
+    "keyed-model": _keyed_model,
 }
 
 

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +32,7 @@ import zmq
 
 from engine import protocol as P
 from engine.config import ModelConfig
+from engine.keyed.trunk import KeyedInfo
 from engine.loading import WeightReader, load_config, model_label, resolve, weights_fingerprint
 from engine.model import layer_tensor_names
 from engine.quant.load import client_reader, fallback_summary, gguf_weights_of, resolve_quant
@@ -87,6 +89,9 @@ class ServerOptions:
     parts_dir: str | None = None  # where parts are made (None: the user cache)
     draft_head: str | None = None  # the draft head file to ship (None: the model's own, if any)
     part_chunk: int = P.MAX_CHUNK  # bytes per chunk of the part's files
+    # a folder from `veil-trunk keyed-model prepare`: the trunk layers run from it, in an
+    # organisation key's secret basis (the config, tokenizer and client part stay public)
+    keyed_trunk: str | None = None
 
 
 @dataclass
@@ -157,6 +162,11 @@ class TrunkServer:
             raise ValueError(f"--min-local-layers must be between 1 and {(n - 1) // 2}, got {m}")
         self.lo, self.hi = m, n - m
         self.reader = WeightReader(resolved.folder)
+        self.keyed: KeyedInfo | None = None
+        self.key_id: str | None = None  # the organisation key id of a keyed trunk
+        if opts.keyed_trunk is not None:
+            self.keyed = self._check_keyed(opts, progress)
+            self.key_id = self.keyed.key_id
         self.config_fp = self.config.fingerprint()
         self._weights_fp: dict[tuple[int, int], str] = {}
         self.max_context = opts.max_context or self.config.max_position_embeddings
@@ -178,6 +188,29 @@ class TrunkServer:
         if opts.delivery:
             self.delivery = make_delivery(self, signing_key)
 
+    def _check_keyed(
+        self, opts: ServerOptions, progress: Callable[[str, float], None] | None
+    ) -> KeyedInfo:
+        """The keyed trunk folder, checked against the public model; narrows [lo, hi) to it."""
+        from engine.keyed.trunk import check_keyed_trunk, public_model_fp
+
+        if progress is not None:
+            progress("checking the keyed trunk", 0.0)
+        info = check_keyed_trunk(
+            Path(str(opts.keyed_trunk)), self.config, public_model_fp(self.reader)
+        )
+        if progress is not None:
+            progress("checking the keyed trunk", 1.0)
+        lo, hi = max(self.lo, info.start), min(self.hi, info.end)
+        if lo >= hi:
+            raise ValueError(
+                f"the keyed trunk holds layers [{info.start}, {info.end}), none of which "
+                f"--min-local-layers {opts.min_local_layers} leaves to the server"
+            )
+        self.lo, self.hi = lo, hi
+        log.info("keyed trunk: layers [%d, %d) keyed to organisation key %s", lo, hi, info.key_id)
+        return info
+
     def _make_worker(self) -> Backend:
         """What computes the steps: the trunk layers, read once, and a batching worker over them.
         (The Ray gateway, ``remote/cluster/gateway.py``, returns a router over replicas.)"""
@@ -187,7 +220,17 @@ class TrunkServer:
         log.info("loading layers [%d, %d) of %s", self.lo, self.hi, self.model_name)
         cpu_only = all(d.type == "cpu" for d, _, _ in plan)
         quant = resolve_quant(opts.quant, self.resolved) if cpu_only else "none"
-        reader = client_reader(self.reader, self.resolved, self.config, quant)
+        if opts.keyed_trunk is not None:  # float layers in the organisation's basis
+            # auto: float (there are no quantized blocks of keyed weights); int8/int4 on a CPU
+            # quantize them at load, not cached (the quant cache is the public model's)
+            quant = opts.quant if cpu_only and opts.quant in ("int8", "int4") else "none"
+            reader: Any = WeightReader(Path(opts.keyed_trunk))
+            if quant != "none":
+                from engine.quant.load import QuantizingReader
+
+                reader = QuantizingReader(reader, quant, None)
+        else:
+            reader = client_reader(self.reader, self.resolved, self.config, quant)
         gguf = gguf_weights_of(reader)
         before = len(gguf.fallbacks) if gguf is not None else 0
         self.stages: list[Stage] = load_stages(reader, self.config, plan, self.dtype)
@@ -251,6 +294,7 @@ class TrunkServer:
             "hidden_size": self.config.hidden_size,
             "n_layers": self.config.n_layers,
             "layers": [self.lo, self.hi],
+            "key_id": self.key_id or "",  # a keyed model's organisation key id ("": public)
             "max_context": self.max_context,
             "dtype": str(self.dtype).removeprefix("torch."),
             "sessions": n,
@@ -502,12 +546,16 @@ class TrunkServer:
                 f"the model chosen on this computer is another one (fingerprint {m.config_fp})",
             )
             return
+        if m.key_id != self.key_id:
+            self._error(sock, ident, P.E_KEY, self._key_problem(m.key_id))
+            return
         if not (self.lo <= m.start < m.end <= self.hi):
+            keyed = " (its keyed layers: keep more layers on this computer)" if self.keyed else ""
             self._error(
                 sock,
                 ident,
                 P.E_RANGE,
-                f"this server serves layers [{self.lo}, {self.hi}); the client asked for "
+                f"this server serves layers [{self.lo}, {self.hi}){keyed}; the client asked for "
                 f"[{m.start}, {m.end})",
             )
             return
@@ -559,7 +607,25 @@ class TrunkServer:
             m.dtype,
             n + 1,
         )
-        self._reply(sock, ident, P.Opened(sid, m.start, m.end, s.max_context, str(self.dtype)))
+        opened = P.Opened(sid, m.start, m.end, s.max_context, str(self.dtype), self.key_id)
+        self._reply(sock, ident, opened)
+
+    def _key_problem(self, theirs: str | None) -> str:
+        """The one line that refuses a session whose organisation key is not this server's."""
+        if self.key_id is None:
+            return (
+                f"this computer uses organisation key {theirs}, but this server runs the public "
+                f"model {self.model_label} (no organisation key)"
+            )
+        if theirs is None:
+            return (
+                f"this server runs a model keyed to an organisation key (id {self.key_id}): add "
+                "your organisation's key"
+            )
+        return (
+            f"this server runs a model keyed to organisation key {self.key_id}, but this "
+            f"computer's key is {theirs}"
+        )
 
     def _make_room_for(self, sock: zmq.Socket, ident: bytes, user: str) -> bool:
         """Per-client cap (per key; per connection when insecure): at the cap, close the key's

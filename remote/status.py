@@ -22,7 +22,9 @@ def format_status(st: dict[str, Any], address: str) -> str:
     own = st.get("scope") == "own"
     lines = [
         f"veil-trunk at {address}: {st.get('model', '?')}, layers {st.get('layers')}, "
-        f"{st.get('sessions', 0)} session(s) open" + (" by this key" if own else ""),
+        f"{st.get('sessions', 0)} session(s) open"
+        + (" by this key" if own else "")
+        + (f", keyed to organisation key {st['key_id']}" if st.get("key_id") else ""),
         f"batching {'on' if st.get('batching') else 'off'} (up to {st.get('max_batch_rows')} rows,"
         f" {st.get('kernel', '?')}): {st.get('steps', 0)} steps in {st.get('batches', 0)} batches"
         f" (mean {_mean_rows(st.get('batch_rows_hist', {})):.2f} rows), "

@@ -67,6 +67,7 @@ class AppController:
         self.settings = settings if settings is not None else Settings.load(self.store)
         s = self.settings
         self.host = EngineHost(s.model, s.mode, s.invite, s.local_layers, s.dtype, s.device)
+        self.host.key_folder = self.folder  # an imported organisation key (app/core/org_key.py)
         self.executor = executor
         self.chat = ChatController(self.store, self.host, executor, s)
         self.drafting = DraftingController(self.store, self.host, executor, s)
@@ -85,6 +86,7 @@ class AppController:
         self.load_failed = Event()  # (VeilError)
         self.model_unavailable = False  # the selected model failed to load: none is in use
         self.split_changed = Event()  # (k)
+        self._shown_key_id: str | None = None  # the keyed audit the privacy panel shows
         self.resolved = Event()  # (cause) a problem of this cause is gone: clear its banners
         for ev in (self.chat.gauges, self.drafting.gauges):
             ev.connect(self._on_gauges)
@@ -262,16 +264,29 @@ class AppController:
         n = self.n_layers
         return n is not None and fully_local(n, k)
 
+    def audit_model_name(self) -> str:
+        """The name the shown audit is stored under: the model's, or with a keyed server in use
+        its keyed audit's (measured with the scheme known, the key not)."""
+        key_id = self.host.key_id
+        if key_id is None:
+            return self.model_name()
+        from engine.keyed import audit_name
+
+        return audit_name(self.model_name(), key_id)
+
     def audit_figure(self, k: int) -> audit_info.AuditFigure:
-        return audit_info.figure(self.model_name(), k)
+        return audit_info.figure(self.audit_model_name(), k)
 
     def privacy_view(self, k: int) -> PrivacyView:
         """The one word, sentence and figure beside the slider (no audit figure when k runs
-        fully on this computer)."""
+        fully on this computer). With a keyed server in use, the keyed audit's figures, labelled
+        as measured with the organisation's key."""
         n = self.n_layers
         if n is not None and fully_local(n, k):
             return describe(n, k, None)
-        return describe(n, k, self.audit_figure(k), audit_info.reply_share(self.model_name(), k))
+        name = self.audit_model_name()
+        keyed = self.host.key_id is not None
+        return describe(n, k, self.audit_figure(k), audit_info.reply_share(name, k), keyed=keyed)
 
     def split_summary(self, k: int) -> str:
         n = self.n_layers
@@ -300,6 +315,10 @@ class AppController:
         self.gauges_changed.emit(g)
 
     def _on_state(self, state: str) -> None:
+        key_id = self.host.key_id
+        if key_id != self._shown_key_id:  # a keyed server connected (or gone): other figures
+            self._shown_key_id = key_id
+            self.split_changed.emit(self.settings.local_layers)
         g = self.gauge_state
         g.connection = state
         if state == LOCAL:

@@ -12,6 +12,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from app.core.gauges import local_weight_bytes, max_local_layers, process_memory_bytes
@@ -247,6 +248,8 @@ class EngineHost:
         device: str = "cpu",
     ) -> None:
         self.model, self.mode, self.invite = model, mode, invite
+        # the app's data folder, where an imported organisation key lives (None: no key)
+        self.key_folder: Path | None = None
         self.dtype, self.device = dtype, device
         self.wanted_k = local_layers
         self.runner: SplitRunner | None = None
@@ -379,6 +382,10 @@ class EngineHost:
             if runner.client.plan != plan:
                 self._close_trunk()
                 runner.client.set_split(plan)
+            key = self._org_key()
+            if key != runner.client.org_key:  # imported, replaced or removed in Settings
+                self._close_trunk()
+                runner.client.set_org_key(key)
             if plan.fully_local:
                 self._close_trunk()
                 self.state = LOCAL
@@ -412,6 +419,22 @@ class EngineHost:
                 runner.check()
             self.state = CONNECTED
             return runner
+
+    def _org_key(self) -> Any:
+        """The organisation key for the organisation's server (a demo or in-process trunk runs
+        the public model: no key)."""
+        if self.mode != MODE_SERVER or self.key_folder is None:
+            return None
+        from app.core.org_key import installed
+
+        return installed(self.key_folder)
+
+    @property
+    def key_id(self) -> str | None:
+        """The organisation key id of the keyed model the connected server runs (None: the
+        public model, or not connected)."""
+        trunk = self.runner.trunk if self.runner is not None else None
+        return getattr(trunk, "key_id", None) if trunk is not None else None
 
     def _check_invite(self) -> None:
         from app.core.invite import invite_problem

@@ -7,7 +7,7 @@ sent, so there is no recovery figure, no audit to run and nothing for an old aud
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from app.core.audit_info import AuditFigure
 from engine.split import SplitPlan
@@ -88,17 +88,36 @@ class PrivacyView:
     local: bool  # fully on this computer
     audited: bool  # the figure comes from an audit
     reply: str = ""  # what the server reads of the replies ("" when nothing is sent)
+    keyed: bool = False  # the figures are the keyed audit's (an organisation-keyed server)
 
     @property
     def accessible(self) -> str:
         return f"Privacy risk {self.level}. {self.sentence} {self.reply} {self.caption}".strip()
 
 
+KEYED = "with your organisation's key"
+
+
 def describe(
-    n_layers: int | None, k: int, fig: AuditFigure | None, reply_top1: float | None = None
+    n_layers: int | None,
+    k: int,
+    fig: AuditFigure | None,
+    reply_top1: float | None = None,
+    keyed: bool = False,
 ) -> PrivacyView:
     """The panel's words for split ``k``; ``fig`` is the audit figure (ignored when local),
-    ``reply_top1`` the audit's share of reply words read (None: not measured)."""
+    ``reply_top1`` the audit's share of reply words read (None: not measured). ``keyed``: the
+    server runs a model keyed to the organisation's key and ``fig`` is that keyed audit's."""
+    view = _describe(n_layers, k, fig, reply_top1)
+    if not keyed or view.local:
+        return view
+    sep = ", " if view.audited else " "  # "... (worst case of all attacks), with your ..."
+    return replace(view, caption=f"{view.caption[:-1]}{sep}{KEYED}.", keyed=True)
+
+
+def _describe(
+    n_layers: int | None, k: int, fig: AuditFigure | None, reply_top1: float | None = None
+) -> PrivacyView:
     if n_layers is not None and fully_local(n_layers, k):
         return PrivacyView(
             "None", "ok", NONE_SENTENCE, "nothing is sent",

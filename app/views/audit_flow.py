@@ -49,7 +49,7 @@ class AuditFlow:
         from app.main_window import run_modal
 
         k = self.app.settings.local_layers
-        name = self.app.model_name()
+        name = self.app.audit_model_name()  # the keyed audit's, with a keyed server in use
         data = audit_info.latest(name)
         rows = audit_info.rows(name, self.app.n_layers)
         date = str(data.get("date", ""))[:10] if data else ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
@@ -24,16 +25,19 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.core import org_key
 from app.core.api_host import api_available
 from app.core.chat import REGENERATE_NOTE
 from app.core.invite import advice, invite_address, invite_problem
 from app.core.invite_check import ServerCheck
+from app.core.paths import data_dir
 from app.core.settings import FONT_SIZES, MODE_DEMO, MODE_SERVER, SERVER_MODEL, THEMES, Settings
 from app.views.error_banner import ErrorBanner
 from app.views.invite_checker import Check, InviteChecker
 from app.views.number_field import DecimalField, NumberField, with_note
 from app.views.theme import later, set_icon
 from engine.errors import VeilError
+from engine.keyed.transform import OrgKey
 from engine.loading import DEFAULT_MODEL
 
 
@@ -61,9 +65,14 @@ def key_storage_text() -> str:
 
 class SettingsDialog(QDialog):
     def __init__(
-        self, settings: Settings, parent: QWidget | None = None, check: Check | None = None
+        self,
+        settings: Settings,
+        parent: QWidget | None = None,
+        check: Check | None = None,
+        key_folder: Path | None = None,
     ) -> None:
         super().__init__(parent)
+        self.key_folder = key_folder if key_folder is not None else data_dir()
         self.setWindowTitle("Settings")
         self.resize(640, 520)
         self.original = settings
@@ -125,14 +134,15 @@ class SettingsDialog(QDialog):
         key_row.addWidget(show)
         key_row.addWidget(self.copy_key)
         form.addRow("This computer's key:", key_row)
-        sl.addLayout(form)
         note = QLabel(
             "Send this computer's key to your IT department so the server lets it in. "
             + key_storage_text()
         )
         note.setWordWrap(True)
         note.setObjectName("Small")
-        sl.addWidget(note)
+        form.addRow(note)
+        self._org_key_rows(form)
+        sl.addLayout(form)
         sl.addStretch(1)
         self.server_radio.toggled.connect(self.invite.setEnabled)
         self.server_radio.toggled.connect(lambda _on: self.check_invite(show_error=False))
@@ -403,6 +413,56 @@ class SettingsDialog(QDialog):
         path = QFileDialog.getExistingDirectory(self, "Choose a model folder")
         if path:
             self.model.setText(path)
+
+    def _org_key_rows(self, form: QFormLayout) -> None:
+        """Organisation key: what is imported, Import key…, Remove, and what the key is for."""
+        row = QHBoxLayout()
+        self.org_key_status = QLabel()
+        self.org_key_status.setWordWrap(True)
+        self.org_key_status.setTextFormat(Qt.TextFormat.PlainText)
+        self.org_key_status.setAccessibleName("Organisation key")
+        self.org_key_import = QPushButton("Import key…")
+        self.org_key_import.setAccessibleName("Import your organisation's key file")
+        self.org_key_import.clicked.connect(self._browse_org_key)
+        self.org_key_remove = QPushButton("Remove")
+        self.org_key_remove.setAccessibleName("Remove the organisation key from this computer")
+        self.org_key_remove.clicked.connect(self.remove_org_key)
+        row.addWidget(self.org_key_status, 1)
+        row.addWidget(self.org_key_import)
+        row.addWidget(self.org_key_remove)
+        form.addRow("Organisation key:", row)
+        why = QLabel(org_key.EXPLANATION)
+        why.setWordWrap(True)
+        why.setObjectName("Small")
+        form.addRow(why)
+        self._show_org_key(org_key.installed(self.key_folder))
+
+    def _show_org_key(self, key: OrgKey | None, error: str = "") -> None:
+        label = self.org_key_status
+        label.setObjectName("FieldError" if error else "")
+        label.setText(error or org_key.status_text(key))
+        label.style().polish(label)
+        self.org_key_remove.setEnabled(key is not None)
+
+    def _browse_org_key(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Import your organisation's key", "")
+        if path:
+            self.import_org_key(Path(path))
+
+    def import_org_key(self, path: Path) -> bool:
+        """Keep a private copy of the key file at ``path``; a file that is not a key is named
+        under the field (the key imported before, if any, stays)."""
+        try:
+            key = org_key.import_key(self.key_folder, path)
+        except VeilError as exc:
+            self._show_org_key(org_key.installed(self.key_folder), str(exc))
+            return False
+        self._show_org_key(key)
+        return True
+
+    def remove_org_key(self) -> None:
+        org_key.forget(self.key_folder)
+        self._show_org_key(None)
 
     def _copy_key(self) -> None:
         if not self.key.text():

@@ -138,6 +138,7 @@ def connect_trunk(
         config_fp=config_fp,
         weights_fp=weights_fp,
         model_fp=part_model_fp(client),
+        key_id=client.key_id,
         max_context=max_context or client.config.max_position_embeddings,
         wire_dtype=wire_dtype or os.environ.get("VEIL_WIRE_DTYPE") or "float16",
         timeout_s=timeout_s,

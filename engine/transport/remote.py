@@ -75,6 +75,29 @@ class _NoAnswer(TransportError):
     """An open got no answer in time (server down, unreachable, or a key mismatch)."""
 
 
+def _key_mismatch(address: str, mine: str | None, theirs: str | None) -> VeilError:
+    """The refusal when the session's keyed model and this computer's key disagree (checked by
+    the client too: a server older than keyed models ignores the key and runs the public one)."""
+    from engine.keyed.transform import KeyedError
+
+    if theirs is None:
+        return KeyedError(
+            f"this computer uses organisation key {mine}, but the trunk server at {address} runs "
+            "the public model (no organisation key)",
+            hint="leave out the organisation key for this server, or ask IT for the keyed server",
+        )
+    if mine is None:
+        return KeyedError(
+            f"this server runs a model keyed to an organisation key (id {theirs}): add your "
+            "organisation's key"
+        )
+    return KeyedError(
+        f"the trunk server at {address} runs a model keyed to organisation key {theirs}, but "
+        f"this computer's key is {mine}",
+        hint="ask IT for the current organisation key",
+    )
+
+
 class RemoteTrunk(Link):
     """Trunk layers [start, end) on a remote server."""
 
@@ -90,6 +113,7 @@ class RemoteTrunk(Link):
         config_fp: str,
         weights_fp: str | None,
         model_fp: str | None = None,
+        key_id: str | None = None,
         max_context: int = 4096,
         wire_dtype: str = "float16",
         timeout_s: float = 10.0,
@@ -138,6 +162,8 @@ class RemoteTrunk(Link):
         self.config_fp = config_fp
         self.weights_fp = weights_fp
         self.model_fp = model_fp
+        self.client_key_id = key_id  # the organisation key this computer holds (None: none)
+        self.key_id: str | None = None  # the keyed model's key id the server runs (None: plain)
         self.max_context = max_context
         self.wire_dtype = wire
         self.wire_torch = P.WIRE_DTYPES[self.wire_dtype]
@@ -186,6 +212,14 @@ class RemoteTrunk(Link):
             )
         if e.code == P.E_RANGE:
             return SplitError(e.message, hint="choose --local-layers so the trunk fits the server")
+        if e.code == P.E_KEY:
+            from engine.keyed.transform import KeyedError
+
+            return KeyedError(
+                e.message,
+                hint="pass --org-key FILE, or import it in the app's Settings under Organisation "
+                "key; your IT department gives it out",
+            )
         if e.code == P.E_CONTEXT:
             return TransportError(e.message, hint="start a new conversation")
         if e.code == P.E_DENIED:
@@ -208,6 +242,7 @@ class RemoteTrunk(Link):
             self.hidden_size,
             self.max_context,
             self.model_fp,
+            self.client_key_id,
         )
         deadline = time.monotonic() + timeout_s
         sent = False
@@ -240,6 +275,10 @@ class RemoteTrunk(Link):
             if isinstance(reply, P.Opened):
                 if (reply.start, reply.end) != (self.start, self.end):
                     raise TransportError("the server opened a session for other layers")
+                if reply.key_id != self.client_key_id:
+                    self._send(P.Close(reply.session))
+                    raise _key_mismatch(self.address, self.client_key_id, reply.key_id)
+                self.key_id = reply.key_id
                 self.session = reply.session
                 self.step_id = -1
                 t0 = time.perf_counter()

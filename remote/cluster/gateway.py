@@ -93,6 +93,7 @@ def replica_spec(opts: ServerOptions, c: ClusterOptions, max_context: int) -> Re
         batching=opts.batching,
         threads=c.threads,
         kernel_threads=c.kernel_threads,
+        keyed_trunk=opts.keyed_trunk,
     )
 
 

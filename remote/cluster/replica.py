@@ -15,6 +15,7 @@ import logging
 import secrets
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ class ReplicaSpec:
     batching: bool = True
     threads: int = 0  # torch threads (0: Ray's OMP_NUM_THREADS, i.e. the replica's CPUs)
     kernel_threads: int = 0
+    keyed_trunk: str | None = None  # a keyed trunk folder (checked by the gateway) on this machine
 
 
 class ReplicaCore:
@@ -66,11 +68,18 @@ class ReplicaCore:
         self.config = load_config(resolved.folder)
         n, m = self.config.n_layers, spec.min_local_layers
         self.lo, self.hi = m, n - m
+        reader = WeightReader(resolved.folder)
+        if spec.keyed_trunk is not None:  # the gateway checked it; the same layers here
+            from engine.keyed.trunk import read_info
+
+            info = read_info(Path(spec.keyed_trunk))
+            self.lo, self.hi = max(self.lo, info.start), min(self.hi, info.end)
+            reader = WeightReader(Path(spec.keyed_trunk))
         self.dtype = parse_dtype(spec.dtype)
         plan = split_layers(
             self.lo, self.hi, parse_devices(spec.devices or spec.device), spec.stage_layers
         )
-        stages = load_stages(WeightReader(resolved.folder), self.config, plan, self.dtype)
+        stages = load_stages(reader, self.config, plan, self.dtype)
         self.stage_ranges = [(s.lo, s.hi) for s in stages]
         self.devices = [str(s.device) for s in stages]
         self.worker = TrunkWorker(
