@@ -72,7 +72,8 @@ def add_parser(sub: Any) -> None:
         nargs="+",
         default=None,
         metavar="S",
-        help="keyed-trunk weight noise levels to measure (default 0 0.01 0.03 0.1; needs --org-key)",
+        help="keyed-trunk weight noise levels to measure "
+        "(default 0 0.01 0.03 0.1; needs --org-key)",
     )
     p.set_defaults(func=run)
 
@@ -110,7 +111,8 @@ def run_keyed(args: argparse.Namespace, ks: list[int]) -> int:
         )
     for q in res["quality"]:
         print(
-            f"k={q['k']} noise={q['noise']:g}: greedy agreement {100 * q['greedy_agreement']:.1f}%, "
+            f"k={q['k']} noise={q['noise']:g}: "
+            f"greedy agreement {100 * q['greedy_agreement']:.1f}%, "
             f"perplexity {q['perplexity']:.2f} (plain {q['perplexity_plain']:.2f})"
         )
     out = Path(args.out) if args.out else results_dir(res["model"])

@@ -177,14 +177,17 @@ def _run(
     if not noises or any(s < 0 or not math.isfinite(s) for s in noises):
         raise SplitError("keyed noise levels must be finite and >= 0")
     torch.manual_seed(seed)
-    docs, train, test = build_corpus(am, st, seed, check, report)
+    _, train, test = build_corpus(am, st, seed, check, report)
     layers = sorted({k for k in ks} | {n - k for k in ks})
     check()
     tr_states, _ = collect(am, train, layers, logits=False)
     te_states, _ = collect(am, test, layers, logits=False)
     obs_convs = conversations(am, test, st.max_tokens)
     pub_convs = conversations(am, train, st.max_tokens)
-    conv_docs = [Document(f"chat-{d.doc_id}", d.source, "", ids=c) for d, c in zip(test, obs_convs, strict=True)]
+    conv_docs = [
+        Document(f"chat-{d.doc_id}", d.source, "", ids=c)
+        for d, c in zip(test, obs_convs, strict=True)
+    ]
     cv_states, _ = collect(am, conv_docs, layers, logits=False)
     ids_tr = [torch.tensor(d.ids) for d in train]
     ids_te = [torch.tensor(d.ids) for d in test]
@@ -253,8 +256,17 @@ def _run(
                 }
             )
 
-            def add(attack: str, side: str, top5: Sequence[torch.Tensor], extra: dict[str, Any],
-                    sub: Sequence[int] | None = None, k: int = k, s: float = s) -> None:
+            def add(
+                attack: str,
+                side: str,
+                top5: Sequence[torch.Tensor],
+                extra: dict[str, Any],
+                sub: Sequence[int] | None = None,
+                k: int = k,
+                s: float = s,
+                y_o: list[torch.Tensor] = y_o,
+                p_o: list[torch.Tensor] = p_o,
+            ) -> None:
                 idx = list(range(len(test))) if sub is None else list(sub)
                 tg = ids_te if side == "input" else y_o
                 pi = pii_te if side == "input" else p_o
@@ -280,7 +292,10 @@ def _run(
             for name, qh in est.items():
                 check()
                 qf = qh.float()
-                info = {"rotation_error": KA.rotation_error(qh, tf.q), "n_conversations": 2 * len(test)}
+                info = {
+                    "rotation_error": KA.rotation_error(qh, tf.q),
+                    "n_conversations": 2 * len(test),
+                }
                 if name == "known_plaintext":
                     info["known_pairs"] = len(pairs_in[0]) + len(pairs_out[0])
                 un_in = [x @ qf.T for x in obs_in]
@@ -292,30 +307,48 @@ def _run(
                 add(f"{name}+ridge_embedding", "input", [r[:, :5] for r in er], info)
                 inv = [
                     A.invert_known_weights(
-                        am.stack(0, k), embed, un_in[j],
+                        am.stack(0, k),
+                        embed,
+                        un_in[j],
                         A.candidate_order_fn(rr[j], er[j], near[j]),
-                        st.sipit_stages, fallback=st.sipit_fallback,
+                        st.sipit_stages,
+                        fallback=st.sipit_fallback,
                     )
                     for j in sip
                 ]
                 ver = float(_cat([r.verified for r in inv]).float().mean())
-                add(f"{name}+known_weights", "input", [r.top5 for r in inv],
-                    {**info, "verified_exact": ver}, sip)
+                add(
+                    f"{name}+known_weights",
+                    "input",
+                    [r.top5 for r in inv],
+                    {**info, "verified_exact": ver},
+                    sip,
+                )
                 tail = [logits_from(am, lo, x)[:-1].topk(5, dim=-1).indices for x in un_out]
                 add(f"{name}+public_tail", "output", tail, info)
                 add(f"{name}+ridge", "output", [oridge.ranked(x[:-1], 5) for x in un_out], info)
             # --- vocabulary matching: no q at all ------------------------------------------
             check()
-            order = freq.tolist()
+            order: list[int] = freq.tolist()
+
+            def by_frequency(_t: int, order: list[int] = order) -> list[int]:
+                return order
+
             vstages = VOCAB_STAGES_QUICK if quick else VOCAB_STAGES
             vm = [
-                KA.vocabulary_match(am.stack(0, k), embed, obs_in[j], lambda t, o=order: o,
-                                    vstages)
+                KA.vocabulary_match(am.stack(0, k), embed, obs_in[j], by_frequency, vstages)
                 for j in sip
             ]
-            add("vocabulary_match", "input", [r.top5 for r in vm],
-                {"verified_exact": float(_cat([r.verified for r in vm]).float().mean()),
-                 "candidates_max": sum(vstages)}, sip)
+            add(
+                "vocabulary_match",
+                "input",
+                [r.top5 for r in vm],
+                {
+                    "verified_exact": float(_cat([r.verified for r in vm]).float().mean()),
+                    "candidates_max": sum(vstages),
+                },
+                sip,
+            )
             # --- learned inverter on keyed-basis data the attacker can make ------------------
             qb = al.q_hat.float()
             xs = [x_tr @ qb]
@@ -323,10 +356,15 @@ def _run(
             if len(pairs_in[1]):
                 xs.append(pairs_in[1])
                 ys.append(pairs_in[2])
-            mlp = A.MLPDecoder(_cat(xs), _cat(ys), seed, hidden=st.mlp_hidden,
-                               epochs=st.mlp_epochs, cancel=cancel)
-            add("learned_inverter", "input", [mlp.ranked(x, 5) for x in obs_in],
-                {"trained_on": "public states @ q_hat(weight_alignment) + template pairs"})
+            mlp = A.MLPDecoder(
+                _cat(xs), _cat(ys), seed, hidden=st.mlp_hidden, epochs=st.mlp_epochs, cancel=cancel
+            )
+            add(
+                "learned_inverter",
+                "input",
+                [mlp.ranked(x, 5) for x in obs_in],
+                {"trained_on": "public states @ q_hat(weight_alignment) + template pairs"},
+            )
             timing[f"k{k}_noise{s:g}"] = time.perf_counter() - t0
             step += 1
 
@@ -336,9 +374,18 @@ def _run(
             for side in ("input", "output"):
                 rows = [r for r in results if r["k"] == k and r["noise"] == s and r["side"] == side]
                 b = max(rows, key=lambda r: r["top1"])
-                best.append({"k": k, "noise": s, "side": side, "attack": b["attack"],
-                             "top1": b["top1"], "top1_ci": b["top1_ci"], "top5": b["top5"],
-                             "pii_top1": b["pii_top1"]})
+                best.append(
+                    {
+                        "k": k,
+                        "noise": s,
+                        "side": side,
+                        "attack": b["attack"],
+                        "top1": b["top1"],
+                        "top1_ci": b["top1_ci"],
+                        "top5": b["top5"],
+                        "pii_top1": b["pii_top1"],
+                    }
+                )
     timing["total"] = time.perf_counter() - t_start
     out: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
@@ -404,15 +451,25 @@ def keyed_report(res: dict[str, Any]) -> str:
             f"| {b['k']} | {b['noise']:g} | {b['side']} | {b['attack']} | {_pct(b['top1'])} | "
             f"{_pct(lo)}–{_pct(hi)} | {_pct(b['top5'])} | {_pct(b['pii_top1'])} |"
         )
-    lines += ["", "## Quality of the keyed model vs the plain model", "",
-              "| k | noise | greedy agreement | perplexity | plain perplexity |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Quality of the keyed model vs the plain model",
+        "",
+        "| k | noise | greedy agreement | perplexity | plain perplexity |",
+        "|---|---|---|---|---|",
+    ]
     for q in res["quality"]:
         lines.append(
             f"| {q['k']} | {q['noise']:g} | {_pct(q['greedy_agreement'])} | "
             f"{q['perplexity']:.2f} | {q['perplexity_plain']:.2f} |"
         )
-    lines += ["", "## Every attack", "",
-              "| k | noise | side | attack | top-1 | 95% CI | q error |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Every attack",
+        "",
+        "| k | noise | side | attack | top-1 | 95% CI | q error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in res["results"]:
         lo, hi = r["top1_ci"]
         qe = r.get("rotation_error")

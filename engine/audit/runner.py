@@ -335,7 +335,6 @@ def _run_audit(
     return out
 
 
-
 def build_corpus(
     am: AuditModel,
     st: AuditSettings,
@@ -361,6 +360,7 @@ def build_corpus(
     docs = [d for d in docs + gen if len(d.ids) >= 4]
     train, test = split_by_document(docs, st.test_fraction, seed)
     return docs, train, test
+
 
 def noise_sweep(
     am: AuditModel,

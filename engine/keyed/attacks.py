@@ -82,11 +82,11 @@ class Alignment:
 
 def _fit(
     pub: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    key: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     perms: list[torch.Tensor],
 ) -> tuple[torch.Tensor, float]:
     a_rows, b_rows = [], []
-    for (g, u, d), (g2, u2, d2), p in zip(pub, key, perms, strict=True):
+    for (g, u, d), (g2, u2, d2), p in zip(pub, seen, perms, strict=True):
         g, u, d = g[p], u[p], d[p]
         s = (u2.norm(dim=1) / u.norm(dim=1).clamp_min(1e-30))[:, None]  # channel scale
         a_rows += [g, u * s, d / s]
@@ -109,29 +109,32 @@ def align_weights(
     features."""
     inter = config.intermediate_size
     pub = [_mlp_rows(w, inter) for w in public]
-    key = [_mlp_rows(w, inter) for w in keyed]
+    seen = [_mlp_rows(w, inter) for w in keyed]
     if init is None:
         perms = []
-        for p, k in zip(pub, key, strict=True):
+        for p, k in zip(pub, seen, strict=True):
             fp, fk = _features(*p), _features(*k)
             mu, sd = fp.mean(0), fp.std(0).clamp_min(1e-12)
             perms.append(_hungarian(torch.cdist((fp - mu) / sd, (fk - mu) / sd)))
-        q, res = _fit(pub, key, perms)
+        q, res = _fit(pub, seen, perms)
     else:
         q, res, perms = init.double(), float("nan"), [torch.arange(inter) for _ in pub]
-    agree, it = 0.0, 0
-    for it in range(1, iters + 1):
+    agree, done = 0.0, 0
+    for _ in range(iters):
+        done += 1
         new = []
-        for (g, _, _), (g2, _, _) in zip(pub, key, strict=True):
+        for (g, _, _), (g2, _, _) in zip(pub, seen, strict=True):
             a = torch.nn.functional.normalize(g @ q, dim=1)
             b = torch.nn.functional.normalize(g2, dim=1)
             new.append(_hungarian(-(a @ b.T)))
-        agree = float(torch.cat([(x == y).double() for x, y in zip(new, perms, strict=True)]).mean())
+        agree = float(
+            torch.cat([(x == y).double() for x, y in zip(new, perms, strict=True)]).mean()
+        )
         perms = new
-        q, res = _fit(pub, key, perms)
+        q, res = _fit(pub, seen, perms)
         if agree == 1.0:
             break
-    return Alignment(q, it, agree, res)
+    return Alignment(q, done, agree, res)
 
 
 def gram_eigen(
@@ -142,11 +145,11 @@ def gram_eigen(
     layers alone), the global sign from which of ±q matches the gate rows better."""
     inter = config.intermediate_size
     pub = [_mlp_rows(w, inter)[0] for w in public]
-    key = [_mlp_rows(w, inter)[0] for w in keyed]
+    seen = [_mlp_rows(w, inter)[0] for w in keyed]
     m1 = sum(g.T @ g for g in pub)
-    k1 = sum(g.T @ g for g in key)
+    k1 = sum(g.T @ g for g in seen)
     m2 = sum(g.T @ g for g in pub[1::2]) if len(pub) > 1 else sum(g.T.abs() @ g for g in pub)
-    k2 = sum(g.T @ g for g in key[1::2]) if len(key) > 1 else sum(g.T.abs() @ g for g in key)
+    k2 = sum(g.T @ g for g in seen[1::2]) if len(seen) > 1 else sum(g.T.abs() @ g for g in seen)
     _, u = torch.linalg.eigh(m1)
     _, v = torch.linalg.eigh(k1)
     prod = (u.T @ m2 @ u) * (v.T @ k2 @ v)  # [H, H]: s_i s_j times a positive number
@@ -157,7 +160,7 @@ def gram_eigen(
     best, score = q, -1.0
     for cand in (q, -q):
         a = torch.nn.functional.normalize(pub[0] @ cand, dim=1)
-        b = torch.nn.functional.normalize(key[0], dim=1)
+        b = torch.nn.functional.normalize(seen[0], dim=1)
         sc = float((a @ b.T).max(dim=1).values.mean())
         if sc > score:
             best, score = cand, sc
