@@ -272,6 +272,18 @@ def _run(
                 pi = pii_te if side == "input" else p_o
                 row: dict[str, Any] = {"k": k, "noise": s, "attack": attack, "side": side}
                 row.update(score(top5, [tg[j] for j in idx], [pi[j] for j in idx], seed, st.n_boot))
+                if side == "output":  # the model's own reply: what it is about to generate
+                    gen = [
+                        (torch.arange(len(tg[j])) + 1 >= test[j].generated_from)
+                        if test[j].generated_from >= 0
+                        else torch.zeros(len(tg[j]), dtype=torch.bool)
+                        for j in idx
+                    ]
+                    if any(bool(g.any()) for g in gen):
+                        tgt = [tg[j] for j in idx]
+                        g = score(top5, tgt, [pi[j] for j in idx], seed, st.n_boot, subset=gen)
+                        row["top1_generated"] = g["top1"]
+                        row["top1_generated_ci"] = g["top1_ci"]
                 row.update(extra)
                 results.append(row)
 
