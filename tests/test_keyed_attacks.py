@@ -134,3 +134,15 @@ def test_cli_keyed_noise_without_a_key_is_a_one_line_error(
     assert rc != 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("veil: error:") and "\n" not in err and "--org-key" in err
+
+
+def test_cli_unreadable_key_is_a_one_line_error(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.key"
+    bad.write_text("not a key\n")
+    folder = str(tiny_models["llama"])
+    rc = cli.main(["audit", "--model", folder, "--local-layers", "1", "--org-key", str(bad)])
+    assert rc != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("veil: error:") and "\n" not in err and "organisation key" in err
