@@ -59,7 +59,66 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: auto)")
     p.add_argument("--no-store", action="store_true", help="do not update the app's stored audit")
+    p.add_argument(
+        "--org-key",
+        default=None,
+        metavar="FILE",
+        help="audit the organisation-keyed split made with this key (attacks that know the "
+        "scheme, and the keyed model's quality)",
+    )
+    p.add_argument(
+        "--keyed-noise",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="S",
+        help="keyed-trunk weight noise levels to measure "
+        "(default 0 0.01 0.03 0.1; needs --org-key)",
+    )
     p.set_defaults(func=run)
+
+
+def run_keyed(args: argparse.Namespace, ks: list[int]) -> int:
+    from engine.audit.keyed import DEFAULT_NOISES, run_keyed_audit
+    from engine.audit.store import results_dir
+    from engine.keyed.transform import OrgKey
+
+    key = OrgKey.load(Path(args.org_key))
+    noises = args.keyed_noise if args.keyed_noise is not None else list(DEFAULT_NOISES)
+    if any(s < 0 for s in noises):
+        raise VeilError("--keyed-noise levels must be >= 0")
+    progress = CliProgress()
+    try:
+        res = run_keyed_audit(
+            args.model,
+            ks,
+            key,
+            Path(args.out) if args.out else None,
+            noises,
+            quick=args.quick,
+            progress=progress,
+            seed=args.seed,
+            save=not args.no_store,
+            threads=args.threads or default_threads(),
+        )
+    finally:
+        progress.close()
+    for b in res["best"]:
+        lo, hi = b["top1_ci"]
+        print(
+            f"k={b['k']} noise={b['noise']:g} {b['side']}: best attack {b['attack']} recovers "
+            f"{100 * b['top1']:.1f}% of tokens (95% CI {100 * lo:.1f}-{100 * hi:.1f}%)"
+        )
+    for q in res["quality"]:
+        print(
+            f"k={q['k']} noise={q['noise']:g}: "
+            f"greedy agreement {100 * q['greedy_agreement']:.1f}%, "
+            f"perplexity {q['perplexity']:.2f} (plain {q['perplexity_plain']:.2f})"
+        )
+    out = Path(args.out) if args.out else results_dir(res["model"])
+    print(f"results: {out / 'results.json'} · report: {out / 'report.md'}")
+    print(f"took {res['timing_s']['total']:.0f} s")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     ks = parse_ks(args.local_layers)
     if args.threads is not None and args.threads < 1:
         raise VeilError("--threads must be at least 1")
+    if args.keyed_noise is not None and not args.org_key:
+        raise VeilError("--keyed-noise needs --org-key FILE")
+    if args.org_key:
+        return run_keyed(args, ks)
     progress = CliProgress()
     try:
         res = run_audit(

@@ -149,21 +149,7 @@ def _run_audit(
     torch.manual_seed(seed)
 
     # --- corpus -------------------------------------------------------------------------
-    report("audit: preparing text", 0.0)
-    tok = am.tokenizer
-    docs: list[Document] = [
-        Document(f"stdlib-{i}", "stdlib", t) for i, t in enumerate(stdlib_texts(st.n_stdlib))
-    ]
-    docs += pii_documents(st.n_pii, seed)
-    for d in docs:
-        tokenize(d, tok, st.max_tokens)
-    gen = prompt_documents(st.n_generated, seed)
-    for i, d in enumerate(gen):
-        check()
-        add_generated_replies(am, [d], st.gen_new_tokens, st.max_tokens)
-        report("audit: generating text", (i + 1) / max(1, len(gen)))
-    docs = [d for d in docs + gen if len(d.ids) >= 4]
-    train, test = split_by_document(docs, st.test_fraction, seed)
+    docs, train, test = build_corpus(am, st, seed, check, report)
 
     # --- what the server sees ------------------------------------------------------------
     layers = sorted({k for k in ks} | {n - k for k in ks} | {noise_k})
@@ -347,6 +333,33 @@ def _run_audit(
     if save:
         save_results(out, files)
     return out
+
+
+def build_corpus(
+    am: AuditModel,
+    st: AuditSettings,
+    seed: int,
+    check: Callable[[], None],
+    report: Progress,
+) -> tuple[list[Document], list[Document], list[Document]]:
+    """The audit's documents (stdlib, personal data, generated chats), tokenised, and their
+    train/test split by document: (all, train, test)."""
+    report("audit: preparing text", 0.0)
+    tok = am.tokenizer
+    docs: list[Document] = [
+        Document(f"stdlib-{i}", "stdlib", t) for i, t in enumerate(stdlib_texts(st.n_stdlib))
+    ]
+    docs += pii_documents(st.n_pii, seed)
+    for d in docs:
+        tokenize(d, tok, st.max_tokens)
+    gen = prompt_documents(st.n_generated, seed)
+    for i, d in enumerate(gen):
+        check()
+        add_generated_replies(am, [d], st.gen_new_tokens, st.max_tokens)
+        report("audit: generating text", (i + 1) / max(1, len(gen)))
+    docs = [d for d in docs + gen if len(d.ids) >= 4]
+    train, test = split_by_document(docs, st.test_fraction, seed)
+    return docs, train, test
 
 
 def noise_sweep(

@@ -6,6 +6,12 @@ user data dir). The latest audit of a model is ``results.json`` there, with the 
     {"model": str, "date": ISO-8601 str, "results": [
         {"k": int, "attack": str, "side": "input" | "output", "top1": float,
          "top1_ci": [lo, hi], "top5": float, "top5_ci": [lo, hi], "pii_top1": float | None, ...}]}
+
+A keyed audit (:mod:`engine.audit.keyed`) is stored under the name
+``engine.keyed.audit_name(model, key_id)`` with the same schema plus ``"keyed": true``,
+``"key_id"``, ``"base_model"``, ``"noise"`` (the keyed-trunk noise levels measured),
+``"quality"`` (``[{"k", "noise", "greedy_agreement", "perplexity", "perplexity_plain"}]``),
+``"best"`` (the best attack per k, noise and side) and a ``"noise"`` field on every result row.
 """
 
 from __future__ import annotations
