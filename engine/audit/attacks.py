@@ -172,8 +172,44 @@ def invert_known_weights(
     ``fallback`` further candidates are tried in one batch. Their sum caps the search per
     position — the published attack searches the whole vocabulary; this one is bounded.
     """
+    obs_all = observed.float()  # [T, H]
+
+    def distance(t: int, out: torch.Tensor) -> list[float]:
+        obs = obs_all[t]  # [H]
+        norm = obs.norm().clamp_min(1e-12)
+        return ((out.float() - obs).norm(dim=-1) / norm).tolist()  # [b]
+
+    return search_left_to_right(
+        head,
+        embed,
+        observed.shape[0],
+        candidate_order,
+        distance,
+        stages,
+        tol,
+        fallback,
+        fallback_dist,
+    )
+
+
+def search_left_to_right(
+    head: LayerStack,
+    embed: torch.Tensor,
+    t_len: int,
+    candidate_order: Callable[[int], list[int]],
+    distance: Callable[[int, torch.Tensor], list[float]],
+    stages: Sequence[int],
+    tol: float,
+    fallback: int = 0,
+    fallback_dist: float = 0.25,
+    chosen: Callable[[int, torch.Tensor], None] | None = None,
+) -> InversionResult:
+    """The search both inversions share: for each position t, batches of candidates (``stages``,
+    then ``fallback`` more when even the best is farther than ``fallback_dist``) run through the
+    public head as a tree block off the recovered prefix; ``distance(t, states [b, H])`` scores
+    them, below ``tol`` is verified and stops the search; the closest becomes the prefix for
+    t + 1 (``chosen(t, its state)`` is told)."""
     head.reset()
-    t_len = observed.shape[0]
     top5 = torch.full((t_len, 5), -1, dtype=torch.long)
     verified = torch.zeros(t_len, dtype=torch.bool)
     margin = torch.full((t_len,), float("inf"))
@@ -182,10 +218,9 @@ def invert_known_weights(
     keep: list[int] | None = None
     for t in range(t_len):
         order = candidate_order(t)
-        obs = observed[t].float()  # [H]
-        norm = obs.norm().clamp_min(1e-12)
         cand_all: list[int] = []
         dist_all: list[float] = []
+        out_all: list[torch.Tensor] = []
         pos0 = 0
         last_block: list[int] = []
         for size in (*stages, fallback):
@@ -199,9 +234,10 @@ def invert_known_weights(
             x = embed[torch.tensor(cands)]  # [b, H]
             out = head.forward(x, torch.full((b,), t), [-1] * b, keep)  # [b, H]
             keep = []  # a further batch at this position replaces this one
-            d = ((out.float() - obs).norm(dim=-1) / norm).tolist()  # [b]
+            d = distance(t, out)  # [b]
             cand_all += cands
             dist_all += d
+            out_all += list(out)
             last_block = cands
             if min(d) < tol:
                 break
@@ -214,6 +250,8 @@ def invert_known_weights(
         verified[t] = dist_all[ranked[0]] < tol
         if len(ranked) > 1:
             margin[t] = dist_all[ranked[1]] - dist_all[ranked[0]]
+        if chosen is not None:
+            chosen(t, out_all[ranked[0]])
         if best in last_block:
             keep = [last_block.index(best)]
         else:  # re-run the chosen token alone so the cache holds it

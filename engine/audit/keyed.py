@@ -30,7 +30,7 @@ from engine.audit import attacks as A
 from engine.audit.collect import AuditModel, collect, logits_from
 from engine.audit.corpus import Document
 from engine.audit.metrics import score
-from engine.audit.runner import QUICK, AuditSettings, build_corpus, deepest_sending_depth
+from engine.audit.runner import QUICK, AuditSettings, audit_depths, build_corpus
 from engine.chat import messages_for, prompt_ids
 from engine.errors import Cancelled, SplitError
 from engine.keyed import attacks as KA
@@ -169,10 +169,7 @@ def _run(
     cfg = am.config
     check_supported(cfg)
     n = am.n_layers
-    top = deepest_sending_depth(n)
-    ks = sorted(set(int(k) for k in ks))
-    if not ks or any(not 1 <= k <= top for k in ks):
-        raise SplitError(f"audit depths must be between 1 and {top} for this model, got {ks}")
+    ks = audit_depths(n, ks)
     noises = sorted(set(float(s) for s in noises))
     if not noises or any(s < 0 or not math.isfinite(s) for s in noises):
         raise SplitError("keyed noise levels must be finite and >= 0")

@@ -79,6 +79,20 @@ def deepest_sending_depth(n_layers: int) -> int:
     return max(0, (n_layers - 1) // 2)
 
 
+def audit_depths(n_layers: int, ks: Sequence[int]) -> list[int]:
+    """The split depths to audit, sorted and checked against what a model of ``n_layers``
+    sends at all."""
+    top = deepest_sending_depth(n_layers)
+    depths = sorted(set(int(k) for k in ks))
+    if not depths or any(not 1 <= k <= top for k in depths):
+        raise SplitError(
+            f"audit depths must be between 1 and {top} for this model, got {depths}",
+            hint=f"at k >= {(n_layers + 1) // 2} all {n_layers} layers run locally and nothing "
+            "is sent",
+        )
+    return depths
+
+
 def _cat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(xs))
 
@@ -136,13 +150,7 @@ def _run_audit(
     resolved = model if isinstance(model, ResolvedModel) else resolve(model, progress)
     am = AuditModel(resolved)
     n = am.n_layers
-    top = deepest_sending_depth(n)
-    ks = sorted(set(int(k) for k in ks))
-    if not ks or any(not 1 <= k <= top for k in ks):
-        raise SplitError(
-            f"audit depths must be between 1 and {top} for this model, got {ks}",
-            hint=f"at k >= {(n + 1) // 2} all {n} layers run locally and nothing is sent",
-        )
+    ks = audit_depths(n, ks)
     noise_k = noise_k if noise_k is not None else (2 if 2 in ks else ks[0])
     if noise_k not in ks:
         raise SplitError(f"noise depth {noise_k} is not among the audited depths {ks}")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.audit.attacks import InversionResult
+from engine.audit.attacks import InversionResult, search_left_to_right
 from engine.config import ModelConfig
 from engine.model import LayerStack, LayerWeights
 
@@ -203,63 +203,27 @@ def vocabulary_match(
     products with the earlier (recovered) states best match the observed ones (relative
     distance; < ``tol`` counts as verified). At most ``sum(stages)`` candidates per position,
     in ``candidate_order(t)`` (e.g. by frequency in a public corpus)."""
-    head.reset()
     obs = observed.double()
-    t_len = obs.shape[0]
-    top5 = torch.full((t_len, 5), -1, dtype=torch.long)
-    verified = torch.zeros(t_len, dtype=torch.bool)
-    margin = torch.full((t_len,), float("inf"))
-    best_dist = torch.zeros(t_len)
-    tried: list[int] = []
     prev: list[torch.Tensor] = []  # the recovered prefix's public states
-    keep: list[int] | None = None
-    for t in range(t_len):
-        order = candidate_order(t)
+
+    def distance(t: int, out: torch.Tensor) -> list[float]:
         target = obs[: t + 1] @ obs[t]  # [t + 1]: inner products with earlier positions, norm²
         scale = float(target.norm().clamp_min(1e-30))
-        cands: list[int] = []
-        dists: list[float] = []
-        outs: list[torch.Tensor] = []
-        pos0 = 0
-        last: list[int] = []
-        for size in stages:
-            block = order[pos0 : pos0 + size]
-            pos0 += size
-            if not block:
-                break
-            b = len(block)
-            out = head.forward(embed[torch.tensor(block)], torch.full((b,), t), [-1] * b, keep)
-            keep = []
-            o = out.double()  # [b, H]
-            if prev:
-                inner = o @ torch.stack(prev).T  # [b, t]
-                v = torch.cat([inner, (o * o).sum(1, keepdim=True)], dim=1)  # [b, t + 1]
-            else:
-                v = (o * o).sum(1, keepdim=True)
-            d = ((v - target[None, :]).norm(dim=1) / scale).tolist()
-            cands += block
-            dists += d
-            outs += list(o)
-            last = block
-            if min(d) < tol:
-                break
-        ranked = sorted(range(len(cands)), key=lambda i: dists[i])
-        best = cands[ranked[0]]
-        tried.append(len(cands))
-        top = [cands[i] for i in ranked[:5]]
-        top5[t, : len(top)] = torch.tensor(top)
-        best_dist[t] = dists[ranked[0]]
-        verified[t] = dists[ranked[0]] < tol
-        if len(ranked) > 1:
-            margin[t] = dists[ranked[1]] - dists[ranked[0]]
-        prev.append(outs[ranked[0]])
-        if best in last:
-            keep = [last.index(best)]
-        else:
-            head.forward(embed[best : best + 1], torch.tensor([t]), [-1], [])
-            keep = None
-    head.reset()
-    return InversionResult(top5, verified, margin, best_dist, tried)
+        o = out.double()  # [b, H]
+        sq = (o * o).sum(1, keepdim=True)  # [b, 1]
+        v = torch.cat([o @ torch.stack(prev).T, sq], dim=1) if prev else sq  # [b, t + 1]
+        return ((v - target[None, :]).norm(dim=1) / scale).tolist()
+
+    return search_left_to_right(
+        head,
+        embed,
+        obs.shape[0],
+        candidate_order,
+        distance,
+        stages,
+        tol,
+        chosen=lambda _t, state: prev.append(state.double()),
+    )
 
 
 def rotation_error(q_hat: torch.Tensor, q: torch.Tensor) -> float:
