@@ -2,7 +2,7 @@
 
     python bench/prefill.py [--model GGUF] [--lengths 1024,4096,8000] [--threads 2]
                             [--chunks none,256] [--rtt-ms 80] [--repeats 2]
-                            [--out bench-out/prefill.json]
+                            [--out bench-out/prefill.json] [--plot docs/img/prefill.png]
 
 A long prompt (public text: this Python's standard-library docstrings, tokenized with the
 model's tokenizer and cut to each length) is read by:
@@ -149,6 +149,7 @@ def main() -> int:
     ap.add_argument("--rtt-ms", type=float, default=80.0, help="0: skip the server run")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="bench-out/prefill.json")
+    ap.add_argument("--plot", default="", help="also draw prefill tok/s by length to this PNG")
     args = ap.parse_args()
     model = args.model or str(embedded_gguf(DEFAULT_MODEL))
     try:
@@ -183,7 +184,51 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": model, "threads": args.threads, "rows": rows}, indent=1))
     print(f"wrote {out}")
+    if args.plot:
+        plot(rows, Path(args.plot), args.threads, args.rtt_ms)
     return 0
+
+
+def plot(rows: list[dict[str, Any]], path: Path, threads: int, rtt_ms: float) -> None:
+    """Prefill tokens/s by prompt length, one line per engine (the mean of the repeats); the
+    server run is prompt tokens / time to the first token."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not importable: no plot", file=sys.stderr)
+        return
+    labels = {
+        "llamacpp": "llama.cpp (llama-cpp-python)",
+        "veil chunk None": "Veil fully local, one block",
+        "veil chunk 256": "Veil fully local, 256-row blocks",
+        "remote": f"Veil through a server, {rtt_ms:g} ms RTT (to first token)",
+    }
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for engine in dict.fromkeys(r["engine"] for r in rows):
+        by_n: dict[int, list[float]] = {}
+        for r in rows:
+            if r["engine"] == engine:
+                by_n.setdefault(r["tokens"], []).append(r["tok_s"])
+        ns = sorted(by_n)
+        ax.plot(
+            ns,
+            [sum(by_n[n]) / len(by_n[n]) for n in ns],
+            marker="o",
+            label=labels.get(engine, engine),
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prompt tokens / s")
+    ax.set_title(f"Prefill, {threads} threads, same GGUF")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

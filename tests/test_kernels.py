@@ -185,21 +185,33 @@ def test_top_k_softmax_matches_torch(kernel_on: None) -> None:
     assert kernels.top_k_softmax(logits, 6000) is None
 
 
-def test_attention_depends_only_on_the_keys_a_row_sees(kernel_on: None) -> None:
+@pytest.mark.parametrize(
+    "shape",
+    [(6, 2, 64, 5), (9, 3, 64, 19), (4, 1, 24, 11), (2, 2, 128, 3), (4, 2, 8, 9)],
+    ids=["gqa", "smollm2-heads", "hd24", "hd128", "hd8"],
+)
+def test_attention_depends_only_on_the_keys_a_row_sees(
+    kernel_on: None, shape: tuple[int, int, int, int]
+) -> None:
     """A row's attention over the keys its mask allows has the bits of the same query over
     just those keys, packed at the start of the cache and nothing masked — whatever slots they
-    sat in (tree verification vs sequential decoding) — and matches torch's SDPA."""
+    sat in (tree verification vs sequential decoding) and whatever block it is computed in
+    (across the kernel's 8-row tiles, its 256-key value blocks, vector and scalar lanes of
+    the head) — and matches torch's SDPA."""
+    nh, nkv, hd, rows = shape
     g = torch.Generator().manual_seed(5)
-    nh, nkv, hd, cap = 6, 2, 64, 96
-    for end in (1, 7, 8, 9, 17, 40, 71, 96):
-        q = torch.randn(nh, 5, hd, generator=g)
+    cap = 300
+    for end in (1, 7, 8, 9, 17, 40, 71, 257, 300):
+        q = torch.randn(nh, rows, hd, generator=g)
         kc = torch.randn(nkv, cap, hd, generator=g) * 2
         vc = torch.randn(nkv, cap, hd, generator=g)
-        mask = torch.rand(5, end, generator=g) < 0.6
+        mask = torch.rand(rows, end, generator=g) < 0.6
         mask[:, 0] = True
+        if end > 40:  # a causal run of rows at the end, as a prompt chunk has
+            mask[-1, -1] = False
         out = kernels.attention(q, kc, vc, end, mask)
         assert out is not None
-        for b in range(5):
+        for b in range(rows):
             seen = mask[b].nonzero().flatten()
             kp = torch.zeros_like(kc)
             vp = torch.zeros_like(vc)
@@ -214,4 +226,27 @@ def test_attention_depends_only_on_the_keys_a_row_sees(kernel_on: None) -> None:
                 vc[:, seen].repeat_interleave(nh // nkv, 0)[None],
             )[0]  # [nh, 1, hd]
             want = ref.transpose(0, 1).reshape(-1)  # [nh hd]
-            torch.testing.assert_close(out[b], want, atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(out[b], want, atol=3e-6, rtol=1e-5)
+
+
+def test_capped_attention_is_row_invariant_and_matches_eager(kernel_on: None) -> None:
+    """Soft-capped scores (Gemma 2) with a custom scale: the same bits alone and in a block,
+    and the eager formula's values."""
+    g = torch.Generator().manual_seed(7)
+    nh, nkv, hd, rows, end = 4, 2, 32, 10, 50
+    q = torch.randn(nh, rows, hd, generator=g) * 3
+    kc = torch.randn(nkv, end, hd, generator=g) * 3
+    vc = torch.randn(nkv, end, hd, generator=g)
+    mask = torch.ones(rows, end, dtype=torch.bool).tril(end - rows)  # causal prompt rows
+    out = kernels.attention(q, kc, vc, end, mask, scale=0.1, softcap=5.0)
+    assert out is not None
+    k = kc.repeat_interleave(nh // nkv, 0)
+    scores = torch.tanh((q @ k.transpose(1, 2)) * 0.1 / 5.0) * 5.0  # [nh, B, T]
+    att = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vc.repeat_interleave(2, 0)
+    torch.testing.assert_close(out, att.transpose(0, 1).reshape(rows, -1), atol=3e-6, rtol=1e-5)
+    for b in range(rows):
+        n = int(mask[b].sum())
+        alone = kernels.attention(
+            q[:, b : b + 1].contiguous(), kc, vc, n, None, scale=0.1, softcap=5.0
+        )
+        assert alone is not None and torch.equal(out[b], alone[0]), b

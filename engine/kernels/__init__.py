@@ -283,7 +283,8 @@ def _build_attention() -> Callable[..., None]:
     vc = torch.randn(2, 9, 8, generator=g)
     mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0], [1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
     out = torch.empty(2, 32)
-    kernel(q.numpy(), kc.numpy(), vc.numpy(), 7, mask.numpy(), True, 0.0, 0.0, out.numpy())
+    rows = q.transpose(0, 1).reshape(2, 32).contiguous()  # [B, nh hd]
+    kernel(rows.numpy(), kc.numpy(), vc.numpy(), 7, mask.numpy(), True, 4, 0.0, 0.0, out.numpy(), 1)
     ref = (
         F.scaled_dot_product_attention(
             q.unsqueeze(0),
@@ -331,21 +332,23 @@ def attention(
     if kern is None:
         return None
     nh, n, hd = q.shape
-    qc = q.contiguous()
+    rows = q.transpose(0, 1).reshape(n, nh * hd).contiguous()  # [B, nh hd]
     out = torch.empty(n, nh * hd, dtype=torch.float32)  # [B, nh hd]
     m = mask.contiguous() if mask is not None else torch.ones(1, 1, dtype=torch.bool)
     sc, cap = np.float32(scale or 0.0), np.float32(softcap or 0.0)
     _run(
         lambda: kern(
-            qc.numpy(),
+            rows.numpy(),
             kc.numpy(),
             vc.numpy(),
             end,
             m.numpy(),
             mask is not None,
+            nh,
             sc,
             cap,
             out.numpy(),
+            _threads or torch.get_num_threads(),
         )
     )
     return out
@@ -436,6 +439,8 @@ def _quant_cache_dir() -> str:
     here = Path(__file__).parent
     h = hashlib.sha256()
     for name in (
+        "_attention.py",
+        "_f32_ir.py",
         "_ir.py",
         "_ir_int.py",
         "_ir_kquant.py",

@@ -4,7 +4,8 @@ At the small end the time per token goes to the ~25 tensor operations a layer co
 (4-6 µs of dispatch each on the 2-core machine we measured, against ~1 µs to enter a compiled
 function), not to arithmetic: SmolLM2-135M spent ~5 ms of a ~13 ms token there. This module
 runs the whole pre-norm layer — RMSNorm, the q|k|v product and bias, rotary embeddings, the
-K/V cache write, attention over the cache under the block's mask, the output product, RMSNorm,
+K/V cache write, attention over the cache under the block's mask (the row-invariant kernel
+of :mod:`engine.kernels._attention`), the output product, RMSNorm,
 gate|up, SiLU, down — in one call, for any block size, with the quantized products of
 :mod:`engine.kernels._quant_mm`.
 
@@ -29,6 +30,7 @@ from numba import literally, njit, types
 from numba.core import errors
 from numba.extending import overload
 
+from engine.kernels._attention import attend_rows
 from engine.kernels._int_mm import (
     im_int8,
     im_q4_0,
@@ -55,6 +57,7 @@ from engine.kernels._quant_mm import (
 # numba caches a frozen app's functions too (in the user cache, keyed by the executable)
 CACHE = True
 _OPTS: dict[str, Any] = {"boundscheck": False, "nogil": True, "cache": CACHE}
+_ZERO = np.float32(0.0)  # attention's default query scale (1 / sqrt(hd)) and no soft-capping
 
 
 # format code -> its product (engine.kernels._ir.CODES; from 16 up: int8 activations)
@@ -127,46 +130,6 @@ def rope_rows(v: Any, col: int, heads: int, hd: int, cos: Any, sin: Any) -> None
                 v[b, o + half + i] = tmp[half + i] * cos[b, half + i] + tmp[i] * sin[b, half + i]
 
 
-@njit(fastmath=True, **_OPTS)  # type: ignore[untyped-decorator]
-def attend(
-    qkv: Any, kc: Any, vc: Any, length: int, mask: Any, masked: bool, nh: int, nkv: int, out: Any
-) -> None:
-    """out[b, h*hd:(h+1)*hd] = softmax(q . K / sqrt(hd)) V over the ``length`` live cache
-    slots (those ``mask[b]`` allows), grouped-query heads sharing K/V."""
-    hd = kc.shape[2]
-    group = nh // nkv
-    scale = np.float32(1.0 / math.sqrt(hd))
-    scores = np.empty(length, dtype=np.float32)
-    acc = np.empty(hd, dtype=np.float32)
-    for b in range(qkv.shape[0]):
-        for h in range(nh):
-            g = h // group
-            q0 = h * hd
-            top = np.float32(-np.inf)
-            for t in range(length):
-                if masked and not mask[b, t]:
-                    scores[t] = -np.inf
-                    continue
-                s = np.float32(0.0)
-                for i in range(hd):
-                    s += qkv[b, q0 + i] * kc[g, t, i]
-                s *= scale
-                scores[t] = s
-                top = max(top, s)
-            den = np.float32(0.0)
-            for i in range(hd):
-                acc[i] = 0.0
-            for t in range(length):
-                if scores[t] == -np.inf:
-                    continue
-                p = np.float32(math.exp(scores[t] - top))
-                den += p
-                for i in range(hd):
-                    acc[i] += p * vc[g, t, i]
-            for i in range(hd):
-                out[b, q0 + i] = acc[i] / den
-
-
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
 def layer_body(
     f_qkv: int,
@@ -219,7 +182,7 @@ def layer_body(
                 kc[g, start + b, i] = qkv[b, (nh + g) * hd + i]
                 vc[g, start + b, i] = qkv[b, (nh + nkv + g) * hd + i]
     att = np.empty((rows, nh * hd), dtype=np.float32)
-    attend(qkv, kc, vc, start + rows, mask, masked, nh, nkv, att)
+    attend_rows(qkv, kc, vc, start + rows, mask, masked, nh, _ZERO, _ZERO, att, threads)
     o = np.empty((rows, hid), dtype=np.float32)
     product(f_o, att, wo, scales[1], o, threads)
     for b in range(rows):
