@@ -202,7 +202,7 @@ def plot(rows: list[dict[str, Any]], path: Path, threads: int, rtt_ms: float) ->
         return
     labels = {
         "llamacpp": "llama.cpp (llama-cpp-python)",
-        "veil chunk None": "Veil fully local, one block",
+        "veil chunk None": "Veil fully local, the whole prompt (as the app reads it)",
         "veil chunk 256": "Veil fully local, 256-row blocks",
         "remote": f"Veil through a server, {rtt_ms:g} ms RTT (to first token)",
     }

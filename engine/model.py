@@ -487,6 +487,12 @@ def decoder_layer(
     return out_and_mlp(x, att, w, cfg)
 
 
+# Rows per piece when a long chain block (a prompt) runs through a LayerStack: the compiled
+# layer and its attention keep a piece's buffers in cache. A 4k-token prompt on the 2-core
+# Zen 5 machine, SmolLM2 fully local: 238 tok/s as one block, 300 tok/s in 256-row pieces.
+PIECE_ROWS = 256
+
+
 class LayerStack:
     """Decoder layers [start, end) with their own KV cache.
 
@@ -544,6 +550,32 @@ class LayerStack:
     ) -> torch.Tensor:
         if not self.layers:
             return hidden
+        n = hidden.shape[0]
+        if n <= PIECE_ROWS or not (
+            parents is None or all(p == i - 1 for i, p in enumerate(parents))
+        ):
+            return self._forward_block(hidden, positions, parents, keep)
+        # A long chain (a prompt) runs as consecutive pieces: each attends to everything cached
+        # before it, which for a chain is its prefix, so the rows are the same computation;
+        # the cache still sees one block (a later ``keep`` indexes all of it).
+        if keep is not None:
+            self.cache.compact(keep)
+        self.cache.reserve(n)
+        first = self.cache.length
+        outs = [
+            self._forward_block(hidden[lo : lo + PIECE_ROWS], positions[lo : lo + PIECE_ROWS])
+            for lo in range(0, n, PIECE_ROWS)
+        ]
+        self.cache.block_start = first
+        return torch.cat(outs)  # [B, H]
+
+    def _forward_block(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         if keep is not None:
             self.cache.compact(keep)
         x = hidden.to(device=self.device, dtype=self.dtype)  # [B, H]

@@ -257,3 +257,34 @@ def test_warm_up_runs_under_a_label_and_leaves_nothing_behind(tiny_llama: Path) 
     a = SplitRunner(warm, load_trunk(warm.resolved, 1, 3)).forward(ids, pos)
     b = SplitRunner(cold, load_trunk(cold.resolved, 1, 3)).forward(ids, pos)
     assert torch.equal(a, b)
+
+
+def test_a_long_prompt_runs_in_pieces_as_one_block(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain longer than PIECE_ROWS runs piece by piece (the compiled layers are faster on
+    pieces) and gives what one block gives; the cache still holds it as one block, so
+    a following ``keep`` indexes the whole prompt."""
+    import engine.model as model
+
+    ids = [3 + (i * 37) % 380 for i in range(500)]
+    monkeypatch.setattr(model, "PIECE_ROWS", 200)
+    pieces = _runner(tiny_llama, 1, 1)
+    got = pieces.forward(ids, range(500))
+    assert pieces.client.head.cache.block_start == 0 and pieces.client.head.cache.length == 500
+    after = pieces.forward([7], [450], None, keep=list(range(450)))
+    monkeypatch.setattr(model, "PIECE_ROWS", 10_000)
+    whole = _runner(tiny_llama, 1, 1)
+    want = whole.forward(ids, range(500))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after, whole.forward([7], [450], None, keep=list(range(450))))
+    calls: list[int] = []
+    real = model.LayerStack._forward_block
+    monkeypatch.setattr(model, "PIECE_ROWS", 200)
+    monkeypatch.setattr(
+        model.LayerStack,
+        "_forward_block",
+        lambda self, h, *a, **k: calls.append(h.shape[0]) or real(self, h, *a, **k),
+    )
+    _runner(tiny_llama, 1, 1).forward(ids, range(500))
+    assert calls[:3] == [200, 200, 100]  # the head's pieces (then the trunk's and the tail's)
