@@ -10,7 +10,6 @@ import logging
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +33,13 @@ from engine.transport.policy import (
     chunk_bounds,
     translate_keep,
 )
+from engine.transport.steps import ConnectionLost as _ConnectionLost
+from engine.transport.steps import Entry as _Entry
+from engine.transport.steps import NoAnswer as _NoAnswer
+from engine.transport.steps import Refused as _Refused
+from engine.transport.steps import ServerFault as _ServerFault
+from engine.transport.steps import SessionLost as _SessionLost
+from engine.transport.steps import send_chain
 
 log = logging.getLogger("veil.transport")
 
@@ -41,38 +47,6 @@ log = logging.getLogger("veil.transport")
 # defaults a misbehaving server ends the client in under 2 minutes (see docs/protocol.md).
 STEP_TIMEOUT_S = 60.0
 REPLAY_WINDOW = 4  # replayed steps in flight at once (the server accepts 4 per session)
-
-
-@dataclass
-class _Entry:
-    positions: list[int]
-    parents: list[int] | None
-    keep: list[int] | None
-    hidden: torch.Tensor  # [B, H] in the wire dtype, exactly as sent
-
-
-class _SessionLost(Exception):
-    """The server no longer has our session: reopen and replay."""
-
-
-class _ConnectionLost(Exception):
-    """The server has been silent too long: rebuild the socket, reopen and replay."""
-
-
-class _ServerFault(Exception):
-    """The server failed on the step (``internal``): retried at most ``max_faults`` times."""
-
-
-class _Refused(Exception):
-    """The server refused the step before changing anything; ``error`` is for the user."""
-
-    def __init__(self, error: VeilError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-class _NoAnswer(TransportError):
-    """An open got no answer in time (server down, unreachable, or a key mismatch)."""
 
 
 def _key_mismatch(address: str, mine: str | None, theirs: str | None) -> VeilError:
@@ -184,6 +158,7 @@ class RemoteTrunk(Link):
         self._split_prev: tuple[int, int] | None = None  # (rows, rows of last step) if split
         # stats
         self.round_trips = 0
+        self.chained_steps = 0  # steps of long chains sent with others in flight
         self.replays = 0
         self.replayed_steps = 0
         self.reconnects = 0
@@ -542,6 +517,25 @@ class RemoteTrunk(Link):
         assert r.hidden is not None
         return r.hidden.to(torch.float32, copy=True)  # [b, H] (the frame buffer is not kept)
 
+    def _send_chain(self, entries: list[_Entry]) -> list[torch.Tensor]:
+        """The pieces of a chain with several steps in flight (:func:`send_chain`); the results
+        of the leading entries it got. After a lost session this reopens one (replaying the
+        journal) so the caller can go on step by step."""
+        try:
+            if self.session is None:  # a new conversation: open its session first
+                self._recover(StepBudget(deadline=time.monotonic() + self.step_timeout_s), None)
+            got = send_chain(self, entries)
+            self.chained_steps += len(got.outs)
+            if got.stopped is not None:
+                log.info("pipelined prompt steps stopped, going on step by step: %s", got.stopped)
+                self._recover(
+                    StepBudget(deadline=time.monotonic() + self.step_timeout_s), got.stopped
+                )
+        except BaseException:
+            self._abandon()
+            raise
+        return got.outs
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -564,15 +558,19 @@ class RemoteTrunk(Link):
         kp = translate_keep(None if keep is None else [int(k) for k in keep], self._split_prev)
         wire = hidden.detach().to(device="cpu", dtype=self.wire_torch).contiguous()  # [B, H]
         pieces = chunk_bounds(n, par, self.chunk_rows, P.MAX_BLOCK)
-        outs = []
-        for i, rows in enumerate(pieces):
-            lo, hi = rows.start, rows.stop
-            e = _Entry(
-                pos[lo:hi],
+        entries = [
+            _Entry(
+                pos[rows.start : rows.stop],
                 par if len(pieces) == 1 else None,  # a split chain: each piece hangs off the cache
                 kp if i == 0 else None,
-                wire[lo:hi],  # [b, H]
+                wire[rows.start : rows.stop],  # [b, H]
             )
+            for i, rows in enumerate(pieces)
+        ]
+        outs: list[torch.Tensor] = []
+        if len(entries) > 1:
+            outs = self._send_chain(entries)  # several steps in flight, as far as that goes
+        for e in entries[len(outs) :]:  # the rest (or all) one step at a time
             outs.append(self._step(e))
         self._split_prev = (n, len(pieces[-1])) if len(pieces) > 1 else None
         return outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, H]
