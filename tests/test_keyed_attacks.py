@@ -21,7 +21,8 @@ from engine.audit.runner import QUICK
 from engine.keyed import attacks as KA
 from engine.keyed import audit_name
 from engine.keyed.transform import OrgKey, derive, key_layers
-from engine.loading import resolve
+from engine.keyed.trunk import public_model_fp
+from engine.loading import WeightReader, resolve
 
 KEY = OrgKey(bytes(range(32)))
 
@@ -115,6 +116,8 @@ def test_keyed_audit_stores_results_with_the_schema(tiny_models: dict[str, Path]
     got = store.latest_results(name)
     assert got is not None and got["model"] == name == res["model"]
     assert got["keyed"] is True and got["key_id"] == KEY.key_id and got["noise"] == [0.0, 0.1]
+    # the transform measured is the one `keyed-model prepare` deploys for this model
+    assert got["model_fp"] == public_model_fp(WeightReader(resolve(folder).folder))
     assert {(q["k"], q["noise"]) for q in got["quality"]} == {(1, 0.0), (1, 0.1)}
     assert got["quality"][0]["greedy_agreement"] == 1.0  # noise 0: the same function
     for row in got["results"]:

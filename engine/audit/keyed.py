@@ -36,7 +36,8 @@ from engine.errors import Cancelled, SplitError
 from engine.keyed import attacks as KA
 from engine.keyed import audit_name
 from engine.keyed.transform import OrgKey, check_supported, derive, key_layers
-from engine.loading import Progress, ResolvedModel, resolve
+from engine.keyed.trunk import public_model_fp
+from engine.loading import Progress, ResolvedModel, WeightReader, resolve
 from engine.model import LayerStack
 
 SCHEMA_VERSION = 1
@@ -191,7 +192,9 @@ def _run(
     pii_te = [torch.tensor(d.pii_mask, dtype=torch.bool) for d in test]
     embed = am.embed_weight
     freq = torch.bincount(_cat(ids_tr), minlength=cfg.vocab_size).argsort(descending=True)
-    model_fp = f"audit|{resolved.name}"
+    # the fingerprint `veil-trunk keyed-model prepare` keys this model with: the audit measures
+    # the transform the organisation deploys (same key, model and split -> the same q)
+    model_fp = public_model_fp(WeightReader(resolved.folder))
     results: list[dict[str, Any]] = []
     quality: list[dict[str, Any]] = []
     timing: dict[str, float] = {}
@@ -412,6 +415,7 @@ def _run(
         "base_model": resolved.name,
         "keyed": True,
         "key_id": key.key_id,
+        "model_fp": model_fp,
         "noise": noises,
         "quality": quality,
         "best": best,
