@@ -212,6 +212,11 @@ class KVCache:
         return start
 
 
+def is_chain(parents: Sequence[int] | None) -> bool:
+    """True for a plain causal block (no parents, or each node's parent is the node before)."""
+    return parents is None or all(p == i - 1 for i, p in enumerate(parents))
+
+
 def block_mask(
     positions: torch.Tensor,
     parents: Sequence[int] | None,
@@ -551,9 +556,7 @@ class LayerStack:
         if not self.layers:
             return hidden
         n = hidden.shape[0]
-        if n <= PIECE_ROWS or not (
-            parents is None or all(p == i - 1 for i, p in enumerate(parents))
-        ):
+        if n <= PIECE_ROWS or not is_chain(parents):
             return self._forward_block(hidden, positions, parents, keep)
         # A long chain (a prompt) runs as consecutive pieces: each attends to everything cached
         # before it, which for a chain is its prefix, so the rows are the same computation;

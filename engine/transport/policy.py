@@ -24,16 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import TransportError
+from engine.model import is_chain
 
 # Rows per step when a long chain block is split: a multiple of the 256-row pieces the server's
 # chunked prefill computes, and small enough that one step stays well under a second of server
 # work on the default model while still amortizing the round trip.
 PREFILL_CHUNK = 512
-
-
-def is_chain(parents: Sequence[int] | None) -> bool:
-    """True for a plain causal block (no parents, or each node's parent is the node before)."""
-    return parents is None or all(p == i - 1 for i, p in enumerate(parents))
 
 
 def chunk_bounds(n: int, parents: Sequence[int] | None, chunk: int, limit: int) -> list[range]:

@@ -343,6 +343,11 @@ class RemoteTrunk(Link):
                 cause = exc
                 rebuild = rebuild or isinstance(exc, _ConnectionLost)
 
+    def _ping(self, sid: str) -> int | None:
+        """Ask about session ``sid``; the ping's nonce, or None when it could not be sent."""
+        nonce = next(self._nonce)
+        return nonce if self._send(P.Ping(nonce, sid)) else None
+
     def _wait(self, deadline: float) -> tuple[Any, float]:
         """Wait up to one heartbeat for a message: (message or None, now). Raises at the step's
         deadline, after a failed handshake, or when the server has been silent too long."""
@@ -383,8 +388,8 @@ class RemoteTrunk(Link):
                 sent += 1
             r, now = self._wait(deadline)
             if now - last_ping >= self.heartbeat_s:
-                nonce = next(self._nonce)
-                if self._send(P.Ping(nonce, sid)):
+                nonce = self._ping(sid)
+                if nonce is not None:
                     sent_at[nonce] = sent
                 last_ping = now
             if isinstance(r, P.Result) and r.session == sid:
@@ -444,8 +449,8 @@ class RemoteTrunk(Link):
             if now - last_ping >= self.heartbeat_s:
                 if not sent:
                     sent = self._send(msg)
-                nonce = next(self._nonce)
-                if self._send(P.Ping(nonce, sid)):
+                nonce = self._ping(sid)
+                if nonce is not None:
                     pings.add(nonce)
                 last_ping = now
             if isinstance(r, P.Result) and r.session == sid and r.step == step:

@@ -111,9 +111,7 @@ def send_chain(trunk: RemoteTrunk, entries: list[Entry]) -> ChainOutcome:
             if got >= limit and drain is None:
                 # the steps sent after the refused one are refused too; the server answers in
                 # order, so once this ping's pong is back no late refusal can reach the caller
-                nonce = next(trunk._nonce)
-                if trunk._send(P.Ping(nonce, sid)):
-                    drain = nonce
+                drain = trunk._ping(sid)
             while drain is None and sent < limit and sent - got < CHAIN_WINDOW:
                 e = entries[sent]
                 msg = P.Step(
@@ -131,8 +129,8 @@ def send_chain(trunk: RemoteTrunk, entries: list[Entry]) -> ChainOutcome:
                 sent += 1
             r, now = trunk._wait(deadline)
             if now - last_ping >= trunk.heartbeat_s:
-                nonce = next(trunk._nonce)
-                if trunk._send(P.Ping(nonce, sid)):
+                nonce = trunk._ping(sid)
+                if nonce is not None:
                     pings[nonce] = sent
                 last_ping = now
             if isinstance(r, P.Result) and r.session == sid and first <= r.step < first + sent:
