@@ -71,14 +71,20 @@ def test_gguf_kept_quantized_is_the_dequantized_model(
     assert quant.client_quant == "gguf"
     assert isinstance(quant.lm_head, QuantWeight) and quant.lm_head.fmt == fmt
     ref = ClientModel(dequantized_folder(res, tmp_path / "deq"), plan, client_quant="none")
-    rq, rf = SplitRunner(quant, None), SplitRunner(ref, None)
+    _same_model(quant, ref, 2e-4)
+
+
+def _same_model(a: ClientModel, b: ClientModel, atol: float) -> None:
+    """Two fully local clients compute the same logits (to ``atol`` of the largest, relative)
+    and the same greedy tokens."""
+    ra, rb = SplitRunner(a, None), SplitRunner(b, None)
     ids = PROMPTS[0] * 3
-    lq, lf = rq.forward(ids, range(len(ids))), rf.forward(ids, range(len(ids)))
-    assert torch.allclose(lq, lf, atol=2e-4 * lf.abs().max().item(), rtol=1e-4)
+    la, lb = ra.forward(ids, range(len(ids))), rb.forward(ids, range(len(ids)))
+    assert torch.allclose(la, lb, atol=atol * lb.abs().max().item(), rtol=1e-4)
     params = SamplingParams(max_new_tokens=12)
-    rq.reset()
-    rf.reset()
-    assert generate(rq, ids, params).token_ids == generate(rf, ids, params).token_ids
+    ra.reset()
+    rb.reset()
+    assert generate(ra, ids, params).token_ids == generate(rb, ids, params).token_ids
 
 
 def _check_spec_equals_seq(runner: SplitRunner) -> None:
@@ -101,6 +107,32 @@ def test_speculative_equals_sequential_gguf(
     res = gguf_resolved(wide["llama"], tmp_path, fmt, "llama")
     cfg = load_config(res.folder)
     client = ClientModel(res, SplitPlan.symmetric(cfg.n_layers, 1), client_quant="auto")
+    s, e = client.plan.trunk_range
+    _check_spec_equals_seq(SplitRunner(client, load_trunk(res, s, e, quant="auto")))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_format_layers_run_in_one_call(
+    wide: dict[str, Path], tmp_path: Path, arch: str
+) -> None:
+    """A Q4_K_M-style file (v and up of layer 0, down of layer 1 in Q6_K; the rest Q4_K): every
+    layer still runs as one compiled call (q|k|v and gate|up as their parts), computing what
+    the layer run piece by piece computes, and speculative output equals sequential."""
+    path = tmp_path / f"{arch}-mixed.gguf"
+    mixed = {"layers.0.self_attn.v_proj": "q6_k", "layers.0.mlp.up_proj": "q6_k"}
+    mixed["layers.1.mlp.down_proj"] = "q6_k"
+    write_gguf(wide[arch], path, "q4_k", arch, mixed)
+    res = ResolvedModel(str(path), wide[arch], path)
+    cfg = load_config(res.folder)
+    plan = SplitPlan.symmetric(cfg.n_layers, cfg.n_layers // 2)  # fully local
+    fused = ClientModel(res, plan, client_quant="auto")
+    assert fused.head._fused is not None and len(fused.head._fused[0][7]) == 7  # parts
+    assert len(fused.head._fused[1][7]) == 4  # one format per fused matrix: four products
+    split = ClientModel(res, plan, client_quant="auto")
+    split.head._fused = split.tail._fused = None  # the same weights, piece by piece
+    _same_model(fused, split, 1e-4)
+    client = ClientModel(res, SplitPlan.symmetric(cfg.n_layers, 1), client_quant="auto")
+    assert client.head._fused is not None
     s, e = client.plan.trunk_range
     _check_spec_equals_seq(SplitRunner(client, load_trunk(res, s, e, quant="auto")))
 

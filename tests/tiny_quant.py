@@ -102,10 +102,13 @@ def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(folder: Path, path: Path, fmt: str, arch: str = "llama") -> None:
+def write_gguf(
+    folder: Path, path: Path, fmt: str, arch: str = "llama", mixed: dict[str, str] | None = None
+) -> None:
     """The tiny float model in ``folder`` as a GGUF file whose matrices are in ``fmt`` (norms
     and biases stay float32); llama q/k rows permuted and Gemma norms stored as 1 + w, as
-    llama.cpp stores them."""
+    llama.cpp stores them. ``mixed``: tensor-name substring -> another format for those
+    matrices (as ``*-Q4_K_M.gguf`` files store some v and down projections in Q6_K)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -118,7 +121,6 @@ def write_gguf(folder: Path, path: Path, fmt: str, arch: str = "llama") -> None:
         sd.update(load_file(str(f)))
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.n_layers)
-    qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
     for name, t in sorted(sd.items()):
         g = gguf_name(name, cfg.family)
         if g is None:
@@ -130,8 +132,10 @@ def write_gguf(folder: Path, path: Path, fmt: str, arch: str = "llama") -> None:
             a = permute_qk(a, cfg.n_heads)
         elif arch == "llama" and ".k_proj." in name:
             a = permute_qk(a, cfg.n_kv_heads)
-        if a.ndim == 2 and a.shape[1] % BLOCKS[fmt][0] == 0:
-            writer.add_tensor(g, quantize_rows(a, fmt), raw_dtype=qtype)
+        f = next((v for k, v in (mixed or {}).items() if k in name), fmt)
+        if a.ndim == 2 and a.shape[1] % BLOCKS[f][0] == 0:
+            qt = getattr(gguf.GGMLQuantizationType, f.upper())
+            writer.add_tensor(g, quantize_rows(a, f), raw_dtype=qt)
         else:
             writer.add_tensor(g, np.ascontiguousarray(a))
     writer.write_header_to_file()

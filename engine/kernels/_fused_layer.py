@@ -131,6 +131,57 @@ def rope_rows(v: Any, col: int, heads: int, hd: int, cos: Any, sin: Any) -> None
 
 
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
+def attend_block(
+    qkv: Any,
+    bias: Any,
+    cos: Any,
+    sin: Any,
+    kc: Any,
+    vc: Any,
+    start: int,
+    mask: Any,
+    masked: bool,
+    dims: Any,
+    threads: int,
+) -> Any:
+    """From the block's q|k|v [B, (nh + 2 nkv) hd]: add the bias, rotate q and k, write k and v
+    to the cache at ``start`` and attend; returns the attention output [B, nh hd]."""
+    nh, nkv, hd = dims[0], dims[1], dims[2]
+    rows = qkv.shape[0]
+    if bias.shape[0]:
+        for b in range(rows):
+            for i in range(qkv.shape[1]):
+                qkv[b, i] += bias[i]
+    rope_rows(qkv, 0, nh, hd, cos, sin)
+    rope_rows(qkv, nh * hd, nkv, hd, cos, sin)
+    for b in range(rows):
+        for g in range(nkv):
+            for i in range(hd):
+                kc[g, start + b, i] = qkv[b, (nh + g) * hd + i]
+                vc[g, start + b, i] = qkv[b, (nh + nkv + g) * hd + i]
+    att = np.empty((rows, nh * hd), dtype=np.float32)
+    attend_rows(qkv, kc, vc, start + rows, mask, masked, nh, _ZERO, _ZERO, att, threads)
+    return att
+
+
+@njit(**_OPTS)  # type: ignore[untyped-decorator]
+def add_rows(x: Any, o: Any) -> None:
+    """x += o, row by row (the residual)."""
+    for b in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            x[b, i] += o[b, i]
+
+
+@njit(**_OPTS)  # type: ignore[untyped-decorator]
+def silu_gate(g: Any, gc: int, u: Any, uc: int, inter: int, act: Any) -> None:
+    """act = silu(g[:, gc:gc+inter]) * u[:, uc:uc+inter]."""
+    for b in range(act.shape[0]):
+        for i in range(inter):
+            v = g[b, gc + i]
+            act[b, i] = v / (np.float32(1.0) + np.float32(math.exp(-v))) * u[b, uc + i]
+
+
+@njit(**_OPTS)  # type: ignore[untyped-decorator]
 def layer_body(
     f_qkv: int,
     f_o: int,
@@ -170,36 +221,88 @@ def layer_body(
     rms_norm_rows(x, ln1, eps, h)
     qkv = np.empty((rows, (nh + 2 * nkv) * hd), dtype=np.float32)
     product(f_qkv, h, qkv_w, scales[0], qkv, threads)
-    if bias.shape[0]:
-        for b in range(rows):
-            for i in range(qkv.shape[1]):
-                qkv[b, i] += bias[i]
-    rope_rows(qkv, 0, nh, hd, cos, sin)
-    rope_rows(qkv, nh * hd, nkv, hd, cos, sin)
-    for b in range(rows):
-        for g in range(nkv):
-            for i in range(hd):
-                kc[g, start + b, i] = qkv[b, (nh + g) * hd + i]
-                vc[g, start + b, i] = qkv[b, (nh + nkv + g) * hd + i]
-    att = np.empty((rows, nh * hd), dtype=np.float32)
-    attend_rows(qkv, kc, vc, start + rows, mask, masked, nh, _ZERO, _ZERO, att, threads)
+    att = attend_block(qkv, bias, cos, sin, kc, vc, start, mask, masked, dims, threads)
     o = np.empty((rows, hid), dtype=np.float32)
     product(f_o, att, wo, scales[1], o, threads)
-    for b in range(rows):
-        for i in range(hid):
-            x[b, i] += o[b, i]
+    add_rows(x, o)
     rms_norm_rows(x, ln2, eps, h)
     gu = np.empty((rows, 2 * inter), dtype=np.float32)
     product(f_gu, h, gu_w, scales[2], gu, threads)
     act = np.empty((rows, inter), dtype=np.float32)
-    for b in range(rows):
-        for i in range(inter):
-            g = gu[b, i]
-            act[b, i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * gu[b, inter + i]
+    silu_gate(gu, 0, gu, inter, inter, act)
     product(f_down, act, down_w, scales[3], o, threads)
+    add_rows(x, o)
+
+
+@njit(**_OPTS)  # type: ignore[untyped-decorator]
+def layer_body_parts(
+    f_q: int,
+    f_k: int,
+    f_v: int,
+    f_o: int,
+    f_g: int,
+    f_u: int,
+    f_down: int,
+    x: Any,
+    ln1: Any,
+    qkv_w: Any,
+    bias: Any,
+    wo: Any,
+    ln2: Any,
+    gu_w: Any,
+    down_w: Any,
+    scales: Any,
+    cos: Any,
+    sin: Any,
+    kc: Any,
+    vc: Any,
+    start: int,
+    mask: Any,
+    masked: bool,
+    dims: Any,
+    eps: float,
+    threads: int,
+) -> None:
+    """:func:`layer_body` for a layer whose q|k|v and gate|up matrices are stored in more than
+    one format (``*-Q4_K_M.gguf`` files): ``qkv_w`` is a tuple (q, k, v) and ``gu_w`` a tuple
+    (gate, up), each part multiplied by its own format's product — the same products, in the
+    same order of operations per row, as the layer run piece by piece; ``scales`` has seven
+    entries (q, k, v, o, gate, up, down)."""
+    literally(f_q)
+    literally(f_k)
+    literally(f_v)
+    literally(f_o)
+    literally(f_g)
+    literally(f_u)
+    literally(f_down)
+    nh, nkv, hd, inter = dims[0], dims[1], dims[2], dims[3]
+    rows, hid = x.shape
+    h = np.empty((rows, hid), dtype=np.float32)
+    rms_norm_rows(x, ln1, eps, h)
+    q = np.empty((rows, nh * hd), dtype=np.float32)
+    k = np.empty((rows, nkv * hd), dtype=np.float32)
+    v = np.empty((rows, nkv * hd), dtype=np.float32)
+    product(f_q, h, qkv_w[0], scales[0], q, threads)
+    product(f_k, h, qkv_w[1], scales[1], k, threads)
+    product(f_v, h, qkv_w[2], scales[2], v, threads)
+    qkv = np.empty((rows, (nh + 2 * nkv) * hd), dtype=np.float32)
     for b in range(rows):
-        for i in range(hid):
-            x[b, i] += o[b, i]
+        qkv[b, : nh * hd] = q[b]
+        qkv[b, nh * hd : (nh + nkv) * hd] = k[b]
+        qkv[b, (nh + nkv) * hd :] = v[b]
+    att = attend_block(qkv, bias, cos, sin, kc, vc, start, mask, masked, dims, threads)
+    o = np.empty((rows, hid), dtype=np.float32)
+    product(f_o, att, wo, scales[3], o, threads)
+    add_rows(x, o)
+    rms_norm_rows(x, ln2, eps, h)
+    g = np.empty((rows, inter), dtype=np.float32)
+    u = np.empty((rows, inter), dtype=np.float32)
+    product(f_g, h, gu_w[0], scales[4], g, threads)
+    product(f_u, h, gu_w[1], scales[5], u, threads)
+    act = np.empty((rows, inter), dtype=np.float32)
+    silu_gate(g, 0, u, 0, inter, act)
+    product(f_down, act, down_w, scales[6], o, threads)
+    add_rows(x, o)
 
 
 _ENTRY = """\"\"\"Generated by Veil (engine.kernels._fused_layer.entry); do not edit: the one-call
@@ -207,20 +310,21 @@ decoder layer for the product formats {codes} (numba caches its machine code bes
 
 from numba import njit
 
-from engine.kernels._fused_layer import layer_body
+from engine.kernels._fused_layer import {body}
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def layer(x, ln1, qkv_w, bias, wo, ln2, gu_w, down_w, scales, cos, sin, kc, vc, start, mask,
           masked, dims, eps, threads):
-    layer_body({a}, {b}, {c}, {d}, x, ln1, qkv_w, bias, wo, ln2, gu_w, down_w, scales, cos,
+    {body}({args}, x, ln1, qkv_w, bias, wo, ln2, gu_w, down_w, scales, cos,
                sin, kc, vc, start, mask, masked, dims, eps, threads)
 """
 _entries: dict[tuple[int, ...], Any] = {}
 
 
-def entry(codes: tuple[int, int, int, int], folder: str) -> Any:
-    """The compiled layer for these four format codes (q|k|v, o, gate|up, down).
+def entry(codes: tuple[int, ...], folder: str) -> Any:
+    """The compiled layer for these four format codes (q|k|v, o, gate|up, down), or seven for
+    a layer stored in several formats (q, k, v, o, gate, up, down: :func:`layer_body_parts`).
 
     Each combination is a tiny generated module in ``folder`` that calls :func:`layer_body` with
     the codes as constants, so a model compiles only the kernels it uses (one format: seconds;
@@ -230,8 +334,10 @@ def entry(codes: tuple[int, int, int, int], folder: str) -> Any:
     if fn is not None:
         return fn
     name = "veil_layer_" + "_".join(str(c) for c in codes)
-    a, b, c, d = codes
-    text = _ENTRY.format(codes=codes, a=a, b=b, c=c, d=d)
+    if len(codes) not in (4, 7):
+        raise ValueError(f"a fused layer takes 4 or 7 format codes, not {codes}")
+    body = "layer_body" if len(codes) == 4 else "layer_body_parts"
+    text = _ENTRY.format(codes=codes, body=body, args=", ".join(str(c) for c in codes))
     try:
         path = _write_once(os.path.join(folder, name + ".py"), text)
     except OSError:  # an unwritable cache folder: compile from a temporary copy, uncached
