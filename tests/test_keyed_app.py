@@ -18,30 +18,23 @@ from engine.audit.store import save_results
 from engine.generate import generate
 from engine.keyed import audit_name
 from engine.keyed.transform import KeyedError, OrgKey
-from engine.keyed.trunk import prepare_keyed_trunk
 from engine.protocol import make_invite
 from engine.sampling import SamplingParams
 from engine.split import SplitRunner, load_client, load_trunk
 from tests.inproc_trunk import SERVER_KEYS, trunk_in_thread
-from tests.tiny import make_model
+from tests.keyed_support import KEY, PROMPT, keyed_trunk, tiny_model
 
-KEY = OrgKey(bytes(range(32)))
-PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47]
 GREEDY = SamplingParams(max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("keyed-app") / "llama"
-    make_model(folder, "llama", seed=3, n_layers=6)
-    return folder
+    return tiny_model(tmp_path_factory, "keyed-app")
 
 
 @pytest.fixture(scope="module")
 def keyed_dir(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("keyed-app-trunk") / "trunk"
-    prepare_keyed_trunk(str(tiny), KEY, 1, out)
-    return out
+    return keyed_trunk(tiny, tmp_path_factory, "keyed-app-trunk")
 
 
 @pytest.fixture

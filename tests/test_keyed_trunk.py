@@ -34,26 +34,21 @@ from remote.cli import main as trunk_cli
 from remote.server import ServerOptions, TrunkServer
 from tests.fake_trunk import FakeTrunk
 from tests.inproc_trunk import CLIENT_KEYS, SERVER_KEYS, trunk_in_thread
+from tests.keyed_support import KEY, PROMPT, keyed_trunk, tiny_model
 from tests.tiny import make_model
 
-KEY = OrgKey(bytes(range(32)))
 OTHER = OrgKey(bytes(range(1, 33)))
-PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47]
 GREEDY = SamplingParams(max_new_tokens=12)
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    f = tmp_path_factory.mktemp("keyed") / "llama6"
-    make_model(f, "llama", seed=3, n_layers=6)
-    return f
+    return tiny_model(tmp_path_factory, "keyed")
 
 
 @pytest.fixture(scope="module")
 def keyed_dir(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("keyed-out") / "trunk"
-    prepare_keyed_trunk(str(folder), KEY, 1, out)
-    return out
+    return keyed_trunk(folder, tmp_path_factory, "keyed-out")
 
 
 @pytest.fixture(scope="module")
