@@ -252,6 +252,11 @@ def test_int8_activation_products(quant_on: None, int8_acts: object, fmt: str) -
     assert np.abs(y.numpy() - exact).max() < 0.05 * np.abs(exact).max()  # 8-bit activations
     alone = torch.cat([kernels.linear(x[i : i + 1], w) for i in range(9)])
     assert torch.equal(alone, y)
+    for size in (2, 3, 5, 6, 7):  # tiles of 4 rows then one of 3, 2 or 1 rows
+        for start in (0, 9 - size):
+            assert torch.equal(
+                kernels.linear(x[start : start + size], w), alone[start : start + size]
+            )
     assert "int8 activations" in kernels.quant_status()
 
 

@@ -245,6 +245,7 @@ def _tiles(fmt: int, xq: Any, xd: Any, xs: Any, w: Any, scale: Any, y: Any, a: i
     rows = xq.shape[0]
     eights = rows - rows % 8
     fours = rows - rows % 4
+    rest = rows - fours  # 1-3 rows left: one pass of a tile that size, not 2 + 1
     for p0 in range(a, z, PANEL):
         p1 = min(z, p0 + PANEL)
         for m in range(0, eights, 8):
@@ -253,9 +254,15 @@ def _tiles(fmt: int, xq: Any, xd: Any, xs: Any, w: Any, scale: Any, y: Any, a: i
         if fours > eights:
             for tile in range(p0, p1):
                 itile(fmt, 4, w, tile * TILE, scale, xq, xd, xs, eights, y)
-        for m in range(fours, rows):
+        if rest == 3:
             for tile in range(p0, p1):
-                itile(fmt, 1, w, tile * TILE, scale, xq, xd, xs, m, y)
+                itile(fmt, 3, w, tile * TILE, scale, xq, xd, xs, fours, y)
+        elif rest == 2:
+            for tile in range(p0, p1):
+                itile(fmt, 2, w, tile * TILE, scale, xq, xd, xs, fours, y)
+        elif rest == 1:
+            for tile in range(p0, p1):
+                itile(fmt, 1, w, tile * TILE, scale, xq, xd, xs, fours, y)
 
 
 @njit(parallel=True, **_OPTS)  # type: ignore[untyped-decorator]
