@@ -203,15 +203,18 @@ def generate_speculative(
     drafter.reset()
     ctx = list(prompt_ids)
     blocks = read_prompt(
-        lambda b, pos: _verify(runner, b, pos, None, None, taps), ctx, prefill, cancel
+        lambda b, pos: _verify_hidden(runner, b, pos, None, None, taps), ctx, prefill, cancel
     )
     if blocks is None:
         return cancelled_early(stats)
-    logits, feats = _joined(blocks)  # [L, V], [L, 3H] | None
+    hid, feats = _joined(blocks)  # [L, H], [L, 3H] | None
     stats.round_trips += len(blocks)
     # (the prefill is not a verification round: prompt processing, a session being opened and
     # first-call costs would make its few long blocks set the cost model's slope)
-    tok = choose_token(logits[-1], params, ctx, gen, {})
+    # Only the last row's logits now, as sequential decoding computes them: the other rows'
+    # (what the drafter learns from the prompt) wait for the first drafted round, see
+    # _prompt_verified
+    tok = choose_token(runner.client.logits(hid[-1:])[-1], params, ctx, gen, {})
     ctx.append(tok)
     t_first = time.perf_counter()
     stats.ttft_s = t_first - t0
@@ -219,26 +222,9 @@ def generate_speculative(
     if not done and len(ctx) >= limit:
         out.finish("context")
         done = True
-    if not done:  # the prompt is a chain whose every node was "accepted"
-        n = len(prompt_ids)
-        top_ids, top_probs = top_successors(logits, TOPK)  # [L, K]
-        targets = {i: ctx[i + 1] for i in range(n)}
-        chain = list(range(-1, n - 1))
-        drafter.observe(
-            Verified(
-                ctx,
-                list(prompt_ids),
-                chain,
-                top_ids,
-                top_probs,
-                list(range(n)),
-                targets,
-                0,
-                feats,
-                taps,
-            )
-        )
-        stats.draft_s += time.perf_counter() - t_first
+    prompt_seen: tuple[list[int], torch.Tensor, torch.Tensor | None] | None = None
+    if not done:
+        prompt_seen = (list(ctx), hid, feats)
     keep: list[int] | None = None
     # one-token steps are not shown to the drafter one by one (that would make them slower
     # than sequential decoding's): their roots, logits rows and features wait here and are
@@ -266,9 +252,13 @@ def generate_speculative(
         if one_step:
             tree = DraftTree()
             stats.one_token_steps += 1
-        elif pending:
-            drafter.observe(_catch_up(ctx, pending, taps))
-            pending = []
+        else:
+            if prompt_seen is not None:  # shown before the first drafted round, not before
+                drafter.observe(_prompt_verified(runner, *prompt_seen, taps))
+                prompt_seen = None
+            if pending:
+                drafter.observe(_catch_up(ctx, pending, taps))
+                pending = []
         if one_step:
             pass
         elif opts.fixed_budget is not None:
@@ -328,6 +318,9 @@ def generate_speculative(
         if one_step:
             row = rows.rows.get(0) if isinstance(rows, LazyLogits) else rows[0]
             pending.append((root_pos, row, None if feats is None else feats[:1]))
+            if len(pending) > PENDING_ROWS:  # a long run of one-token steps: keep its last
+                old_pos, _, old_feats = pending[-PENDING_ROWS - 1]  # rows' logits only
+                pending[-PENDING_ROWS - 1] = (old_pos, None, old_feats)
         elif isinstance(rows, LazyLogits):  # rows never computed: ids -1, probabilities 0
             top_ids = torch.full((len(ids), TOPK), -1, dtype=torch.long)
             top_probs = torch.zeros(len(ids), TOPK)
@@ -353,6 +346,46 @@ def generate_speculative(
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
+
+
+PROMPT_ROWS = 1024  # the prompt's last rows whose top successors the drafter learns
+PROMPT_PIECE = 256  # rows of LM-head logits computed at a time for them
+# one-token steps whose logits rows wait for the drafter (older ones drop theirs: a 2,000-token
+# run would otherwise hold 2,000 rows of the vocabulary, 1.2 GB for a 152k-token one)
+PENDING_ROWS = 256
+
+
+def _prompt_verified(
+    runner: SplitRunner,
+    ctx: Sequence[int],
+    hidden: torch.Tensor,
+    feats: torch.Tensor | None,
+    taps: tuple[int, int, int] | None,
+) -> Verified:
+    """The prompt as a chain whose every node was "accepted" (``ctx``: the prompt and the first
+    generated token; ``hidden`` [L, H]: the prompt's final hidden states). Its logits rows are
+    computed here, :data:`PROMPT_PIECE` at a time and only for the last :data:`PROMPT_ROWS`
+    (the rest are marked never computed): a one-token step never pays for them, and a long
+    document never holds an [L, V] logits matrix (an 8k-token prompt of a 152k-token vocabulary
+    is 4.9 GB in float32)."""
+    n = hidden.shape[0]
+    top_ids = torch.full((n, TOPK), -1, dtype=torch.long)  # [L, K]
+    top_probs = torch.zeros(n, TOPK)  # [L, K]
+    for a in range(max(0, n - PROMPT_ROWS), n, PROMPT_PIECE):
+        b = min(n, a + PROMPT_PIECE)
+        top_ids[a:b], top_probs[a:b] = top_successors(runner.client.logits(hidden[a:b]), TOPK)
+    return Verified(
+        ctx,
+        list(ctx[:n]),
+        list(range(-1, n - 1)),
+        top_ids,
+        top_probs,
+        list(range(n)),
+        {i: ctx[i + 1] for i in range(n)},
+        0,
+        feats,
+        taps,
+    )
 
 
 def _catch_up(

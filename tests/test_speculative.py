@@ -583,6 +583,65 @@ def test_one_token_steps_are_shown_to_the_drafter_as_one_chain_without_gaps(
     spec.forget(runner)
 
 
+def test_the_prompts_logits_wait_for_the_first_drafted_round(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill computes the LM head for the prompt's last row only (as sequential decoding
+    does): the rows the drafter learns from are computed before the first drafted round, a few
+    at a time and only the prompt's last PROMPT_ROWS, and never while every round is a
+    one-token step; one-token steps waiting to be shown keep their last PENDING_ROWS rows."""
+    runner = _runner(models["llama"], 1)
+    rows: list[int] = []
+    logits = runner.client.logits
+
+    def counting(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(hidden.shape[0])
+        return logits(hidden)
+
+    monkeypatch.setattr(runner.client, "logits", counting)
+    monkeypatch.setattr(spec, "PROMPT_ROWS", 8)
+    monkeypatch.setattr(spec, "PROMPT_PIECE", 3)
+    monkeypatch.setattr(spec, "PENDING_ROWS", 1)  # one-token steps waiting keep 1 logits row
+    prompt = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7]
+    params = SamplingParams(max_new_tokens=10)
+    ref = generate_sequential(runner, prompt, params)
+    seen: list[Verified] = []
+
+    class Recording(TreeDrafter):
+        def observe(self, verified: Verified) -> None:
+            seen.append(verified)
+            super().observe(verified)
+
+    spec.forget(runner)
+    spec.runner_state(runner).mode = _Scripted([True])  # one-token steps only
+    rows.clear()
+    drafter = Recording(spec.runner_state(runner).drafter.sources)
+    got = spec.generate_speculative(runner, prompt, params, drafter=drafter)
+    assert got.token_ids == ref.token_ids
+    assert rows == [1] * len(rows) and not seen  # the prompt's other rows never computed
+
+    spec.forget(runner)
+    spec.runner_state(runner).mode = _Scripted([True, True, False])
+    rows.clear()
+    drafter = Recording(spec.runner_state(runner).drafter.sources)
+    got = spec.generate_speculative(runner, prompt, params, drafter=drafter)
+    assert got.token_ids == ref.token_ids
+    assert rows[:3] == [1, 1, 1]  # the first token, then two one-token steps
+    assert rows[3:6] == [3, 3, 2]  # the prompt's last 8 rows, 3 at a time
+    first = seen[0]
+    assert first.root_index == 0 and first.tokens == prompt and len(first.path) == len(prompt)
+    assert (first.topk_ids[:4] == -1).all() and (first.topk_ids[4:] >= 0).all()
+    assert first.targets[len(prompt) - 1] == ref.token_ids[0]
+    steps = seen[1]  # the two one-token steps as one chain: the older one's row was dropped
+    assert steps.root_index == len(prompt) and len(steps.tokens) == 2
+    assert (steps.topk_ids[0] == -1).all() and (steps.topk_ids[1] >= 0).all()
+    runner.reset()
+    full = spec.top_successors(logits(runner.hidden(prompt, range(len(prompt)))), spec.TOPK)
+    runner.reset()
+    assert torch.equal(first.topk_ids[4:], full[0][4:].long())  # the same rows as all at once
+    spec.forget(runner)
+
+
 # ---------------------------------------------------------------- under load (issue 32)
 
 
