@@ -374,17 +374,31 @@ def _prompt_verified(
     for a in range(max(0, n - PROMPT_ROWS), n, PROMPT_PIECE):
         b = min(n, a + PROMPT_PIECE)
         top_ids[a:b], top_probs[a:b] = top_successors(runner.client.logits(hidden[a:b]), TOPK)
+    return _chain(ctx, 0, top_ids, top_probs, feats, taps)
+
+
+def _chain(
+    ctx: Sequence[int],
+    r: int,
+    top_ids: torch.Tensor,
+    top_probs: torch.Tensor,
+    hidden: torch.Tensor | None,
+    taps: tuple[int, int, int] | None,
+) -> Verified:
+    """Positions ``r .. r + m - 1`` of ``ctx`` (m: the rows of ``top_ids``) as one verified
+    chain whose every node was accepted, each followed by the next token of ``ctx``."""
+    m = top_ids.shape[0]
     return Verified(
         ctx,
-        list(ctx[:n]),
-        list(range(-1, n - 1)),
+        list(ctx[r : r + m]),
+        list(range(-1, m - 1)),
         top_ids,
         top_probs,
-        list(range(n)),
-        {i: ctx[i + 1] for i in range(n)},
-        0,
-        feats,
-        taps,
+        list(range(m)),
+        {i: ctx[r + i + 1] for i in range(m)},
+        r,
+        hidden,
+        taps if hidden is not None else None,
     )
 
 
@@ -398,7 +412,6 @@ def _catch_up(
     logits row was computed, and the features a learned head reads (when every step had them)."""
     r = pending[0][0]
     m = len(pending)
-    tokens = list(ctx[r : r + m])
     top_ids = torch.full((m, TOPK), -1, dtype=torch.long)  # [m, K]
     top_probs = torch.zeros(m, TOPK)  # [m, K]
     have = [i for i, (_, row, _) in enumerate(pending) if row is not None]
@@ -407,18 +420,7 @@ def _catch_up(
         top_ids[have], top_probs[have] = top_successors(torch.stack(rows), TOPK)  # [h, V]
     feats = [f for _, _, f in pending if f is not None]
     hidden = torch.cat(feats) if len(feats) == m else None  # [m, 3H]
-    return Verified(
-        ctx,
-        tokens,
-        list(range(-1, m - 1)),
-        top_ids,
-        top_probs,
-        list(range(m)),
-        {i: ctx[r + i + 1] for i in range(m)},
-        r,
-        hidden,
-        taps if hidden is not None else None,
-    )
+    return _chain(ctx, r, top_ids, top_probs, hidden, taps)
 
 
 def trunk_load(runner: SplitRunner) -> Load | None:

@@ -5,6 +5,8 @@ the client holds only its own tensors, quantized; int8/int4 quantization is cach
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +77,17 @@ def test_gguf_kept_quantized_is_the_dequantized_model(
     _same_model(quant, ref, 2e-4)
 
 
+@contextmanager
+def _activations(*, int8: bool) -> Iterator[None]:
+    """Quantized products with int8 (llama.cpp's rule) or float activations, inside the block."""
+    was = kernels.int8_activations()
+    kernels.set_int8_activations(int8)
+    try:
+        yield
+    finally:
+        kernels.set_int8_activations(was)
+
+
 def _same_model(a: ClientModel, b: ClientModel, atol: float) -> None:
     """Two fully local clients compute the same logits (to ``atol`` of the largest, relative)
     and the same greedy tokens."""
@@ -134,12 +147,8 @@ def test_mixed_format_layers_run_in_one_call(
     # compared with float activations: with int8 ones a float rounding difference between the
     # two (the fused SiLU's exp, its attention) can flip one activation's 8-bit rounding, which
     # moved a logit by 8e-3 of the largest on an Intel AVX-512 machine (1/127: one step)
-    was = kernels.int8_activations()
-    kernels.set_int8_activations(False)
-    try:
+    with _activations(int8=False):
         _same_model(fused, split, 1e-4)
-    finally:
-        kernels.set_int8_activations(was)
     client = ClientModel(res, SplitPlan.symmetric(cfg.n_layers, 1), client_quant="auto")
     assert client.head._fused is not None
     s, e = client.plan.trunk_range
@@ -286,18 +295,12 @@ def test_lazy_lm_head_changes_no_token_and_computes_fewer_rows(
 def test_both_arithmetics_keep_speculative_equal_to_sequential(
     wide: dict[str, Path], tmp_path: Path, int8_acts: bool
 ) -> None:
-    from engine import kernels
-
     res = gguf_resolved(wide["qwen2"], tmp_path, "q4_k", "qwen2")
     cfg = load_config(res.folder)
     client = ClientModel(res, SplitPlan.symmetric(cfg.n_layers, 1), client_quant="auto")
     s, e = client.plan.trunk_range
-    was = kernels.int8_activations()
-    kernels.set_int8_activations(int8_acts)
-    try:
+    with _activations(int8=int8_acts):
         _check_spec_equals_seq(SplitRunner(client, load_trunk(res, s, e, quant="auto")))
-    finally:
-        kernels.set_int8_activations(was)
 
 
 @pytest.mark.slow
