@@ -70,6 +70,7 @@ sys.path.insert(0, str(ROOT))
 
 from app.cmd_bench import machine  # noqa: E402
 from engine.audit.attacks import search_left_to_right  # noqa: E402
+from engine.audit.report import pct  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.keyed.attacks import align_weights, rotation_error  # noqa: E402
 from engine.keyed.transform import KeyedTransform, OrgKey, derive, key_layers  # noqa: E402
@@ -310,10 +311,6 @@ def measure_k(
     return rows
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| k | keyed noise | alignment time | q error | plain split: input top-1 [95% CI] "
@@ -325,9 +322,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         p, kd = r["plain"], r["keyed"]
         lines.append(
             f"| {r['k']} | {r['noise']:g} | {r['align_s']:.0f} s | {r['q_error']:.2g} | "
-            f"{_pct(p['top1'])} [{_pct(p['top1_ci'][0])}, {_pct(p['top1_ci'][1])}] | "
-            f"{_pct(kd['top1'])} [{_pct(kd['top1_ci'][0])}, {_pct(kd['top1_ci'][1])}] | "
-            f"{_pct(kd['verified'])} | {kd['best_dist_median']:.2g} | "
+            f"{pct(p['top1'])} [{pct(p['top1_ci'][0])}, {pct(p['top1_ci'][1])}] | "
+            f"{pct(kd['top1'])} [{pct(kd['top1_ci'][0])}, {pct(kd['top1_ci'][1])}] | "
+            f"{pct(kd['verified'])} | {kd['best_dist_median']:.2g} | "
             f"{kd['second_dist_min']:.2f} |"
         )
     return "\n".join(lines)

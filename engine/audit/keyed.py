@@ -30,6 +30,7 @@ from engine.audit import attacks as A
 from engine.audit.collect import AuditModel, collect, logits_from
 from engine.audit.corpus import Document
 from engine.audit.metrics import score
+from engine.audit.report import pct
 from engine.audit.runner import QUICK, AuditSettings, audit_depths, build_corpus
 from engine.chat import messages_for, prompt_ids
 from engine.errors import Cancelled, SplitError
@@ -451,10 +452,6 @@ def _run(
     return out
 
 
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.1f}%"
-
-
 def keyed_report(res: dict[str, Any]) -> str:
     """A markdown summary: best attack per k and noise level, quality, every attack."""
     lines = [
@@ -471,8 +468,8 @@ def keyed_report(res: dict[str, Any]) -> str:
     for b in res["best"]:
         lo, hi = b["top1_ci"]
         lines.append(
-            f"| {b['k']} | {b['noise']:g} | {b['side']} | {b['attack']} | {_pct(b['top1'])} | "
-            f"{_pct(lo)}–{_pct(hi)} | {_pct(b['top5'])} | {_pct(b['pii_top1'])} |"
+            f"| {b['k']} | {b['noise']:g} | {b['side']} | {b['attack']} | {pct(b['top1'])} | "
+            f"{pct(lo)}–{pct(hi)} | {pct(b['top5'])} | {pct(b['pii_top1'])} |"
         )
     lines += [
         "",
@@ -483,7 +480,7 @@ def keyed_report(res: dict[str, Any]) -> str:
     ]
     for q in res["quality"]:
         lines.append(
-            f"| {q['k']} | {q['noise']:g} | {_pct(q['greedy_agreement'])} | "
+            f"| {q['k']} | {q['noise']:g} | {pct(q['greedy_agreement'])} | "
             f"{q['perplexity']:.2f} | {q['perplexity_plain']:.2f} |"
         )
     lines += [
@@ -497,7 +494,7 @@ def keyed_report(res: dict[str, Any]) -> str:
         lo, hi = r["top1_ci"]
         qe = r.get("rotation_error")
         lines.append(
-            f"| {r['k']} | {r['noise']:g} | {r['side']} | {r['attack']} | {_pct(r['top1'])} | "
-            f"{_pct(lo)}–{_pct(hi)} | {'' if qe is None else f'{qe:.2g}'} |"
+            f"| {r['k']} | {r['noise']:g} | {r['side']} | {r['attack']} | {pct(r['top1'])} | "
+            f"{pct(lo)}–{pct(hi)} | {'' if qe is None else f'{qe:.2g}'} |"
         )
     return "\n".join(lines) + "\n"

@@ -29,7 +29,8 @@ COLORS = {
 }
 
 
-def _pct(x: float | None) -> str:
+def pct(x: float | None) -> str:
+    """A share as a percentage with one decimal; "–" when unknown."""
     return "–" if x is None else f"{100 * x:.1f}%"
 
 
@@ -122,13 +123,13 @@ def table(rows: list[dict[str, Any]], side: str) -> str:
     for r in sorted((r for r in rows if r["side"] == side), key=lambda r: (r["k"], r["attack"])):
         extra = ""
         if r["attack"] == "known_weights":
-            extra = f" (verified exact {_pct(r.get('verified_exact'))})"
+            extra = f" (verified exact {pct(r.get('verified_exact'))})"
         if "top1_generated" in r:
-            extra = f" (on generated reply tokens: {_pct(r['top1_generated'])})"
+            extra = f" (on generated reply tokens: {pct(r['top1_generated'])})"
         lines.append(
             f"| {r['k']} | {ATTACK_LABELS.get(r['attack'], r['attack'])}{extra} | "
-            f"{_pct(r['top1'])}{_ci(r['top1_ci'])} | {_pct(r['top5'])} | "
-            f"{_pct(r.get('pii_top1'))} |"
+            f"{pct(r['top1'])}{_ci(r['top1_ci'])} | {pct(r['top5'])} | "
+            f"{pct(r.get('pii_top1'))} |"
         )
     return "\n".join(lines)
 
@@ -142,8 +143,8 @@ def noise_table(rows: list[dict[str, Any]]) -> str:
     for r in sorted(rows, key=lambda r: (r["sigma"], r["attack"])):
         lines.append(
             f"| {r['sigma']:g} | {ATTACK_LABELS.get(r['attack'], r['attack'])} | "
-            f"{_pct(r['top1'])}{_ci(r['top1_ci'])} | {_pct(r.get('pii_top1'))} | "
-            f"{_pct(r['greedy_agreement'])} | {r['perplexity']:.2f} "
+            f"{pct(r['top1'])}{_ci(r['top1_ci'])} | {pct(r.get('pii_top1'))} | "
+            f"{pct(r['greedy_agreement'])} | {r['perplexity']:.2f} "
             f"({r['perplexity_clean']:.2f}) |"
         )
     return "\n".join(lines)
@@ -173,7 +174,7 @@ def report_markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"- With k = {k} local layers, the best attack "
             f"({ATTACK_LABELS.get(r['attack'], r['attack'])}, {r['side']} side) recovers "
-            f"{_pct(r['top1'])} of tokens exactly (95% CI{_ci(r['top1_ci'])})."
+            f"{pct(r['top1'])} of tokens exactly (95% CI{_ci(r['top1_ci'])})."
         )
     lines += [
         "",
