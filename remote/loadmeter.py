@@ -7,7 +7,10 @@ by what they cost the whole office (``engine.spec_cost.CostModel``):
   less one, plus the steps still queued when it finished (every key's, counted, never named);
 * ``row_ms`` — the marginal compute of one more row in a batch: the slope of batch time over
   batch rows, by exponentially weighted least squares over recent batches (while their sizes
-  vary too little to show a slope, the average time per row, an upper bound);
+  vary too little to show a slope, the average time per row, an upper bound; and never less
+  than MIN_ROW_SHARE of that average: on a busy or noisy machine the fitted slope can come out
+  at or below zero, yet one more row always costs something, and a client pricing rows at zero
+  would flood a shared trunk);
 * ``busy`` — the fraction of recent wall time the trunk spent computing;
 * ``fixed_ms`` — a batch's compute at zero rows: the same fit's intercept (what a batch costs
   however few rows it holds, shared by the steps in it).
@@ -25,6 +28,7 @@ from engine.protocol import MAX_LOAD_PEERS, MAX_LOAD_ROW_MS, Load
 
 DECAY = 0.98  # weight of the past per batch (about the last 50 batches count)
 MIN_ROW_SPREAD = 1.0  # variance of batch rows (rows^2) the slope needs
+MIN_ROW_SHARE = 0.05  # the slope's floor, as a share of the average time per row
 
 
 class LoadMeter:
@@ -73,7 +77,8 @@ class LoadMeter:
             mean_per_row = mt / mn
             var = self._nn / self._w - mn * mn
             fitted = (self._nt / self._w - mn * mt) / var if var >= MIN_ROW_SPREAD else None
-            slope = min(max(mean_per_row if fitted is None else fitted, 0.0), mean_per_row)
+            floor = MIN_ROW_SHARE * mean_per_row
+            slope = min(max(mean_per_row if fitted is None else fitted, floor), mean_per_row)
             return 1000.0 * max(mt - slope * mn, 0.0), 1000.0 * slope
 
     def row_ms(self) -> float:

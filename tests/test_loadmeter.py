@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import protocol as P
-from remote.loadmeter import LoadMeter
+from remote.loadmeter import MIN_ROW_SHARE, LoadMeter
 
 
 def test_row_cost_is_the_slope_of_batch_time_over_rows() -> None:
@@ -30,6 +30,20 @@ def test_without_a_spread_of_sizes_the_row_cost_is_the_average_per_row() -> None
     assert m.row_ms() == pytest.approx(10.0)  # an upper bound on the marginal cost
     assert m.snapshot().fixed_ms == pytest.approx(0.0)
     assert m.snapshot().busy == pytest.approx(0.04, abs=1e-3)
+
+
+def test_a_noisy_fit_never_prices_a_row_at_zero() -> None:
+    # a busy machine: the bigger batches happened to run faster, so the fitted slope is negative
+    m = LoadMeter()
+    t = 0.0
+    for rows, dt in ((1, 0.012), (8, 0.010), (2, 0.013), (16, 0.009), (4, 0.011)):
+        m.batch(rows, 1, 0, t, t + dt)
+        t += dt
+    mean_per_row_ms = 1000.0 * sum((0.012, 0.010, 0.013, 0.009, 0.011)) / sum((1, 8, 2, 16, 4))
+    assert m.row_ms() > 0.0
+    load = m.snapshot()
+    assert load.row_ms == pytest.approx(MIN_ROW_SHARE * mean_per_row_ms, rel=0.05)
+    assert load.fixed_ms > 0.0
 
 
 def test_peers_count_batch_mates_and_queued_steps_smoothed() -> None:
