@@ -49,6 +49,7 @@ class CostModel:
         self.prior_a = prior_a
         self.prior_b = prior_b
         self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._fitted_b: float | None = None  # the last slope fitted over varied sizes
         self.draft_s = 0.0  # seconds of drafting per round (moving average)
         self.tokens = 0.0  # tokens committed per round (moving average)
         # the trunk's load (module docstring): seconds each row sent takes from the others
@@ -96,6 +97,19 @@ class CostModel:
         oa, ob = self.office_line(self.draft_s + a, b)
         return max(self.tokens, 1.0) / (oa + ob * block_size)
 
+    def seed_slope(self, rows: int, seconds: float) -> None:
+        """A prompt of ``rows`` rows read in ``seconds``: until a slope is fitted, the per-node
+        cost is taken as at least that time per row.
+
+        The default prior (2 ms per node) suits a trunk behind a WAN, where the round trip
+        dominates; a laptop verifying a 1.5B model's trees by itself pays 20+ ms per node, and
+        trees sized by that prior cost seconds for a token or two. Reading the prompt measures
+        what a row costs here (the round trip and first-call costs included: an upper bound,
+        which only makes the first trees small; the exploration rounds then fit the slope).
+        """
+        if self._fitted_b is None and rows > 0 and seconds > 0:
+            self.prior_b = max(self.prior_b, seconds / rows)
+
     def observe(self, block_size: int, seconds: float) -> None:
         d = self.decay
         n = float(block_size)
@@ -104,6 +118,8 @@ class CostModel:
         self._t = d * self._t + seconds
         self._nn = d * self._nn + n * n
         self._nt = d * self._nt + n * seconds
+        if self.spread() > MIN_SPREAD:
+            self._fitted_b = self.coefficients()[1]
 
     def spread(self) -> float:
         """Variance of the block sizes seen (the slope is only known when this is large)."""
@@ -118,8 +134,13 @@ class CostModel:
         mn = self._n / self._w
         mt = self._t / self._w
         var = self._nn / self._w - mn * mn
-        # the slope needs enough spread in block sizes; until then, the prior
-        b = (self._nt / self._w - mn * mt) / var if var > MIN_SPREAD else self.prior_b
+        # the slope needs enough spread in block sizes; until then the prior, and once a slope
+        # was fitted, that slope (a run of one-token steps says nothing new about big trees,
+        # and falling back to the prior then would send the next look a tree sized for it)
+        if var > MIN_SPREAD:
+            b = (self._nt / self._w - mn * mt) / var
+        else:
+            b = self.prior_b if self._fitted_b is None else self._fitted_b
         b = max(b, 1e-5)
         a = max(mt - b * mn, 1e-4)
         return a, b

@@ -202,6 +202,7 @@ def generate_speculative(
     taps = _taps(runner, head)
     drafter.reset()
     ctx = list(prompt_ids)
+    t_prompt = time.perf_counter()
     blocks = read_prompt(
         lambda b, pos: _verify_hidden(runner, b, pos, None, None, taps), ctx, prefill, cancel
     )
@@ -210,7 +211,9 @@ def generate_speculative(
     hid, feats = _joined(blocks)  # [L, H], [L, 3H] | None
     stats.round_trips += len(blocks)
     # (the prefill is not a verification round: prompt processing, a session being opened and
-    # first-call costs would make its few long blocks set the cost model's slope)
+    # first-call costs would make its few long blocks set the cost model's slope; its time per
+    # row only bounds the per-node cost until a slope is fitted)
+    cost.seed_slope(len(prompt_ids), time.perf_counter() - t_prompt)
     # Only the last row's logits now, as sequential decoding computes them: the other rows'
     # (what the drafter learns from the prompt) wait for the first drafted round, see
     # _prompt_verified
@@ -254,7 +257,10 @@ def generate_speculative(
             stats.one_token_steps += 1
         else:
             if prompt_seen is not None:  # shown before the first drafted round, not before
-                drafter.observe(_prompt_verified(runner, *prompt_seen, taps))
+                # (a look at drafting while one-token steps win skips the prompt's LM-head rows:
+                # 80-150 ms of Qwen2.5-1.5B's for a chat prompt, paid on every reply)
+                rows = 0 if state.mode.sequential else PROMPT_ROWS
+                drafter.observe(_prompt_verified(runner, *prompt_seen, taps, rows))
                 prompt_seen = None
             if pending:
                 drafter.observe(_catch_up(ctx, pending, taps))
@@ -270,8 +276,11 @@ def generate_speculative(
             n = cost.choose(tree.path_probs())
             state.rounds += 1
             # exploration rounds learn this client's own slope; on a shared trunk the price of
-            # a row is mostly the others' time, and a big exploring tree would cost them most
-            if cost.spread() < MIN_SPREAD and state.rounds % 4 == 0 and cost.shared_s == 0:
+            # a row is mostly the others' time, and a big exploring tree would cost them most;
+            # a look at drafting while one-token steps win is timed as it is sized (an
+            # exploring look cost Qwen2.5-1.5B 0.4-0.5 s for one token, fully local)
+            explore = cost.spread() < MIN_SPREAD and state.rounds % 4 == 0
+            if explore and cost.shared_s == 0 and not state.mode.sequential:
                 n = explore_size(n, len(tree), opts.max_nodes)
             tree = tree.prefix(n)
             state.recent = [*state.recent[-7:], len(tree)]
@@ -361,17 +370,18 @@ def _prompt_verified(
     hidden: torch.Tensor,
     feats: torch.Tensor | None,
     taps: tuple[int, int, int] | None,
+    rows: int = PROMPT_ROWS,
 ) -> Verified:
     """The prompt as a chain whose every node was "accepted" (``ctx``: the prompt and the first
     generated token; ``hidden`` [L, H]: the prompt's final hidden states). Its logits rows are
-    computed here, :data:`PROMPT_PIECE` at a time and only for the last :data:`PROMPT_ROWS`
-    (the rest are marked never computed): a one-token step never pays for them, and a long
-    document never holds an [L, V] logits matrix (an 8k-token prompt of a 152k-token vocabulary
-    is 4.9 GB in float32)."""
+    computed here, :data:`PROMPT_PIECE` at a time and only for the last ``rows`` (the rest are
+    marked never computed): a one-token step never pays for them, and a long document never
+    holds an [L, V] logits matrix (an 8k-token prompt of a 152k-token vocabulary is 4.9 GB in
+    float32)."""
     n = hidden.shape[0]
     top_ids = torch.full((n, TOPK), -1, dtype=torch.long)  # [L, K]
     top_probs = torch.zeros(n, TOPK)  # [L, K]
-    for a in range(max(0, n - PROMPT_ROWS), n, PROMPT_PIECE):
+    for a in range(max(0, n - rows), n, PROMPT_PIECE):
         b = min(n, a + PROMPT_PIECE)
         top_ids[a:b], top_probs[a:b] = top_successors(runner.client.logits(hidden[a:b]), TOPK)
     return _chain(ctx, 0, top_ids, top_probs, feats, taps)

@@ -170,3 +170,33 @@ def test_mode_chooser_weighs_office_seconds() -> None:
             rows, wall = (1, 0.1) if one else (8, 0.15)
             mc.observe(one, cost.office_seconds(wall, rows) if office else wall, 1 if one else 2)
     assert not alone.sequential and loaded.sequential
+
+
+def test_a_fitted_slope_outlives_a_run_of_one_token_steps() -> None:
+    cm = sc.CostModel(prior_b=0.002)
+    for n in (1, 20, 4, 30, 2):
+        cm.observe(n, 0.06 + 0.02 * n)  # a laptop verifying alone: 20 ms per node
+    assert cm.coefficients()[1] == pytest.approx(0.02)
+    for _ in range(200):  # drafting did not pay: one-token steps only, the big rounds decay
+        cm.observe(1, 0.08)
+    assert cm.spread() < sc.MIN_SPREAD
+    assert cm.coefficients()[1] == pytest.approx(0.02)  # not back to the 2 ms prior
+    # so the next look sends a small tree: with a = 60 ms the rates of 0..4 nodes are 12.5,
+    # 13.0, 12.5, 11.5, 10.3 tokens/s, and 2 is the largest within the slack; the prior's
+    # 2 ms per node would have sent all 4
+    assert cm.choose([0.3, 0.2, 0.1, 0.05]) == 2
+
+
+def test_the_prompts_time_per_row_bounds_the_slope_until_one_is_fitted() -> None:
+    cm = sc.CostModel(prior_b=0.002)
+    cm.seed_slope(40, 0.8)  # 20 ms per prompt row
+    assert cm.coefficients() == (cm.prior_a, pytest.approx(0.02))
+    cm.seed_slope(40, 0.04)  # a faster prompt never lowers it below what was seen
+    assert cm.coefficients()[1] == pytest.approx(0.02)
+    for n in (1, 20, 4, 30, 2):
+        cm.observe(n, 0.1 + 0.005 * n)
+    assert cm.coefficients()[1] == pytest.approx(0.005)
+    cm.seed_slope(10, 1.0)  # once fitted, prompts no longer move it
+    for _ in range(200):
+        cm.observe(1, 0.105)
+    assert cm.coefficients()[1] == pytest.approx(0.005)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -382,17 +382,22 @@ def test_forget_drops_what_a_runner_learned(models: dict[str, Path]) -> None:
 
 
 class _Scripted(sc.ModeChooser):
-    """A chooser that follows a fixed pattern of round kinds (and counts drafted rounds)."""
+    """A chooser that follows a fixed pattern of round kinds whatever the rounds' times; with
+    ``looking`` its choice stands at one-token steps, so its drafted rounds are looks."""
 
-    def __init__(self, pattern: list[bool]) -> None:
+    def __init__(self, pattern: list[bool], looking: bool = False) -> None:
         super().__init__()
         self.pattern = pattern
         self.i = 0
+        self.sequential = looking
 
     def next_is_sequential(self) -> bool:
         one = self.pattern[self.i % len(self.pattern)]
         self.i += 1
         return one
+
+    def observe(self, sequential: bool, seconds: float, committed: int) -> None:
+        pass  # timing never changes the script
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -504,9 +509,19 @@ def test_the_prompts_logits_wait_for_the_first_drafted_round(
     seen: list[Verified] = []
 
     class Recording(TreeDrafter):
+        wide = False  # propose a 40-node chain of unlikely guesses (room for an exploring tree)
+
         def observe(self, verified: Verified) -> None:
             seen.append(verified)
             super().observe(verified)
+
+        def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
+            if not self.wide:
+                return super().propose(context, max_nodes)
+            tree = DraftTree()
+            for i in range(min(40, max_nodes)):
+                tree.add(3, i - 1, 0.05)
+            return tree
 
     spec.forget(runner)
     spec.runner_state(runner).mode = _Scripted([True])  # one-token steps only
@@ -535,6 +550,26 @@ def test_the_prompts_logits_wait_for_the_first_drafted_round(
     full = spec.top_successors(logits(runner.hidden(prompt, range(len(prompt)))), spec.TOPK)
     runner.reset()
     assert torch.equal(first.topk_ids[4:], full[0][4:].long())  # the same rows as all at once
+
+    # a look at drafting while one-token steps win: the prompt is shown without its LM-head
+    # rows (the drafter still gets its tokens), and the look is sized, never an exploring round
+    spec.forget(runner)
+    state = spec.runner_state(runner)
+    state.mode = _Scripted([True, True, False], looking=True)
+    state.rounds = 3  # the next drafted round would explore, were it not a look
+    seen.clear()
+    drafter = Recording(state.drafter.sources)
+    drafter.wide = True
+    long = SamplingParams(max_new_tokens=50)  # room for a deep tree
+    want = generate_sequential(runner, prompt, long).token_ids
+    rows.clear()
+    got = spec.generate_speculative(runner, prompt, long, drafter=drafter)
+    assert got.token_ids == want
+    first = seen[0]
+    assert first.tokens == prompt and (first.topk_ids == -1).all()
+    assert rows[:3] == [1, 1, 1] and rows[3] == len(seen[2].tokens)  # no prompt rows computed
+    chosen = max(state.recent)  # 40 unlikely guesses: the cost model sends few of them
+    assert chosen < 8 <= spec.explore_size(chosen, 40, 63)
     spec.forget(runner)
 
 
