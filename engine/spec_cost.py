@@ -121,6 +121,11 @@ class CostModel:
         if self.spread() > MIN_SPREAD:
             self._fitted_b = self.coefficients()[1]
 
+    @property
+    def slope_known(self) -> bool:
+        """Whether a slope was ever fitted (over sizes varied enough), not just assumed."""
+        return self._fitted_b is not None
+
     def spread(self) -> float:
         """Variance of the block sizes seen (the slope is only known when this is large)."""
         if self._w <= 0:
@@ -158,6 +163,14 @@ class CostModel:
         size within ``SIZE_SLACK`` of the best rate is taken: it needs fewer round trips for the
         same speed, so the network's jitter and a shared trunk's queue cost less. When the trunk
         reports other sessions (``shared_s`` > 0) the best size itself is taken."""
+        rates = self._rates(path_probs)
+        # (on a shared trunk the rows past the best cost the others more than a round trip
+        # saves: no slack there)
+        floor = max(rates) * (1.0 - (SIZE_SLACK if self.shared_s == 0 else 0.0))
+        return max(n for n, r in enumerate(rates) if r >= floor)
+
+    def _rates(self, path_probs: Sequence[float]) -> list[float]:
+        """Predicted tokens per office second of a round sending the first 0, 1, 2 ... nodes."""
         a, b = self.coefficients()
         a, b = self.office_line(a + self.draft_s, b)  # our own time alone: unchanged
         rates = [1.0 / (a + b)]
@@ -165,10 +178,11 @@ class CostModel:
         for i, p in enumerate(path_probs):
             expected += p
             rates.append(expected / (a + b * (i + 2)))
-        # (on a shared trunk the rows past the best cost the others more than a round trip
-        # saves: no slack there)
-        floor = max(rates) * (1.0 - (SIZE_SLACK if self.shared_s == 0 else 0.0))
-        return max(n for n, r in enumerate(rates) if r >= floor)
+        return rates
+
+    def prefix_rate(self, path_probs: Sequence[float], n: int) -> float:
+        """Predicted tokens per office second of a round sending the first ``n`` nodes."""
+        return self._rates(path_probs[:n])[n]
 
 
 def shared_row_s(load: Load) -> float:

@@ -259,31 +259,21 @@ def generate_speculative(
             if prompt_seen is not None:  # shown before the first drafted round, not before
                 # (a look at drafting while one-token steps win skips the prompt's LM-head rows:
                 # 80-150 ms of Qwen2.5-1.5B's for a chat prompt, paid on every reply)
-                rows = 0 if state.mode.sequential else PROMPT_ROWS
-                drafter.observe(_prompt_verified(runner, *prompt_seen, taps, rows))
+                shown = 0 if state.mode.sequential else PROMPT_ROWS
+                drafter.observe(_prompt_verified(runner, *prompt_seen, taps, shown))
                 prompt_seen = None
             if pending:
                 drafter.observe(_catch_up(ctx, pending, taps))
                 pending = []
-        if one_step:
-            pass
-        elif opts.fixed_budget is not None:
-            tree = drafter.propose(ctx, opts.fixed_budget)
-            tree = limit_depth(tree, room)
-        else:
-            size = proposal_size(state.recent, opts.max_nodes)
-            tree = limit_depth(drafter.propose(ctx, size), room)
-            n = cost.choose(tree.path_probs())
-            state.rounds += 1
-            # exploration rounds learn this client's own slope; on a shared trunk the price of
-            # a row is mostly the others' time, and a big exploring tree would cost them most;
-            # a look at drafting while one-token steps win is timed as it is sized (an
-            # exploring look cost Qwen2.5-1.5B 0.4-0.5 s for one token, fully local)
-            explore = cost.spread() < MIN_SPREAD and state.rounds % 4 == 0
-            if explore and cost.shared_s == 0 and not state.mode.sequential:
-                n = explore_size(n, len(tree), opts.max_nodes)
-            tree = tree.prefix(n)
-            state.recent = [*state.recent[-7:], len(tree)]
+            if opts.fixed_budget is not None:
+                tree = limit_depth(drafter.propose(ctx, opts.fixed_budget), room)
+            else:
+                size = proposal_size(state.recent, opts.max_nodes)
+                sized = _sized(limit_depth(drafter.propose(ctx, size), room), state, opts)
+                if sized is None:  # a look whose best tree loses by the drafter's own estimates
+                    one_step = True
+                    stats.one_token_steps += 1
+                tree = DraftTree() if sized is None else sized
         t_sent = time.perf_counter()
         draft_s = t_sent - t_round
         ids, parents = tree.block(root)
@@ -357,6 +347,40 @@ def generate_speculative(
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
 
 
+def _sized(tree: DraftTree, state: _RunnerState, opts: SpecOptions) -> DraftTree | None:
+    """The prefix of a proposed tree the cost model sends (an exploring size every fourth
+    drafted round while recent sizes vary too little), or None for a look at drafting — a
+    drafted round while one-token steps win — whose best prefix the drafter's own calibrated
+    estimates say commits less per second than a one-token step: that step is taken instead,
+    and the look still counts, so the next one waits as long as if it had been taken (looks
+    that commit one token at a tree's price were most of what one-token-step runs lost to
+    sequential decoding)."""
+    cost, mode = state.cost, state.mode
+    probs = tree.path_probs()
+    n = cost.choose(probs)
+    if mode.sequential:
+        # (until a slope is fitted the price of a node is a guess: then only a tree expected to
+        # add next to nothing is skipped, so a wrong guess cannot keep drafting off for good)
+        pays = (
+            cost.prefix_rate(probs, n) > mode.seq_rate()
+            if cost.slope_known
+            else sum(probs[:n]) >= LOOK_GAIN
+        )
+        if not pays:
+            return None
+    state.rounds += 1
+    # exploration rounds learn this client's own slope; on a shared trunk the price of a row is
+    # mostly the others' time, and a big exploring tree would cost them most; a look is timed
+    # as it is sized (an exploring look cost Qwen2.5-1.5B 0.4-0.5 s for one token, fully local)
+    explore = cost.spread() < MIN_SPREAD and state.rounds % 4 == 0
+    if explore and cost.shared_s == 0 and not mode.sequential:
+        n = explore_size(n, len(tree), opts.max_nodes)
+    sent = tree.prefix(n)
+    state.recent = [*state.recent[-7:], len(sent)]
+    return sent
+
+
+LOOK_GAIN = 0.5  # tokens a look's tree must be expected to add while the node price is a guess
 PROMPT_ROWS = 1024  # the prompt's last rows whose top successors the drafter learns
 PROMPT_PIECE = 256  # rows of LM-head logits computed at a time for them
 # one-token steps whose logits rows wait for the drafter (older ones drop theirs: a 2,000-token

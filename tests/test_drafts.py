@@ -167,11 +167,34 @@ def test_calibration_learns_from_verification() -> None:
     for _ in range(20):  # the model never picks 7
         tree = d.propose([1], 4)
         top = torch.zeros(2, 1)  # [B, 1]
-        d.observe(Verified([1, 5], [1, 7], [-1, 0], top.long(), top, [0], {0: 5}))
+        d.observe(Verified([1, 5], [1, 7], [-1, 0], top.long(), top, [0], {0: 5}, root_index=0))
     after = d.propose([1], 4).probs[0]
     assert before == 0.9
     assert after < 0.25
     assert len(tree) == 1
+
+
+def test_only_the_round_that_verified_a_proposal_calibrates_it() -> None:
+    """Other rounds shown to the drafter (the prompt, one-token steps caught up as a chain, a
+    proposal never sent) say nothing about the last tree: they must not count as its misses."""
+    d = TreeDrafter([_Children([(7, 0.9, "k")])])
+    top = torch.zeros(2, 1)  # [B, 1]
+    for _ in range(20):
+        d.propose([1], 4)  # root at position 0, never verified: a chain from elsewhere follows
+        d.observe(Verified([3, 4, 5], [4, 5], [-1, 0], top.long(), top, [0, 1], {0: 5}, 1))
+        d.propose([1], 4)
+        d.observe(Verified([1, 5], [1, 8], [-1, 0], top.long(), top, [0], {0: 5}, 0))  # other
+    assert d.propose([1], 4).probs[0] == 0.9  # nothing learned
+    for _ in range(2):  # the same round seen twice counts once
+        d.propose([1], 4)
+        v = Verified([1, 5], [1, 7], [-1, 0], top.long(), top, [0], {0: 5}, 0)
+        d.observe(v)
+        d.observe(v)
+    once = TreeDrafter([_Children([(7, 0.9, "k")])])
+    for _ in range(2):
+        once.propose([1], 4)
+        once.observe(Verified([1, 5], [1, 7], [-1, 0], top.long(), top, [0], {0: 5}, 0))
+    assert d.propose([1], 4).probs[0] == once.propose([1], 4).probs[0] < 0.9
 
 
 def test_merged_calibration_learns_the_acceptance_rate_per_bucket() -> None:
@@ -191,7 +214,8 @@ def test_siblings_estimates_never_add_up_to_more_than_one() -> None:
     for _ in range(40):  # 7 is the target every time
         d.propose([1], 8)
         top = torch.zeros(4, 1)  # [B, 1]
-        d.observe(Verified([1, 7], [1, 7, 8, 9], [-1, 0, 0, 0], top.long(), top, [0, 1], {0: 7}))
+        block = [1, 7, 8, 9], [-1, 0, 0, 0]
+        d.observe(Verified([1, 7], *block, top.long(), top, [0, 1], {0: 7}, root_index=0))
     tree = d.propose([1], 8)
     probs = dict(zip(tree.tokens, tree.probs, strict=True))
     assert tree.tokens[0] == 7 and probs[7] > 0.7 and probs[8] < 0.2

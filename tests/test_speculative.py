@@ -509,7 +509,7 @@ def test_the_prompts_logits_wait_for_the_first_drafted_round(
     seen: list[Verified] = []
 
     class Recording(TreeDrafter):
-        wide = False  # propose a 40-node chain of unlikely guesses (room for an exploring tree)
+        wide = False  # propose a 40-node chain of likely guesses (room for an exploring tree)
 
         def observe(self, verified: Verified) -> None:
             seen.append(verified)
@@ -520,7 +520,7 @@ def test_the_prompts_logits_wait_for_the_first_drafted_round(
                 return super().propose(context, max_nodes)
             tree = DraftTree()
             for i in range(min(40, max_nodes)):
-                tree.add(3, i - 1, 0.05)
+                tree.add(3, i - 1, 0.9)
             return tree
 
     spec.forget(runner)
@@ -560,6 +560,12 @@ def test_the_prompts_logits_wait_for_the_first_drafted_round(
     seen.clear()
     drafter = Recording(state.drafter.sources)
     drafter.wide = True
+    chosen: list[int] = []
+    choose = state.cost.choose
+    monkeypatch.setattr(state.cost, "choose", lambda p: chosen.append(choose(p)) or chosen[-1])
+    explored: list[int] = []
+    explore = spec.explore_size
+    monkeypatch.setattr(spec, "explore_size", lambda *a: explored.append(1) or explore(*a))
     long = SamplingParams(max_new_tokens=50)  # room for a deep tree
     want = generate_sequential(runner, prompt, long).token_ids
     rows.clear()
@@ -568,8 +574,7 @@ def test_the_prompts_logits_wait_for_the_first_drafted_round(
     first = seen[0]
     assert first.tokens == prompt and (first.topk_ids == -1).all()
     assert rows[:3] == [1, 1, 1] and rows[3] == len(seen[2].tokens)  # no prompt rows computed
-    chosen = max(state.recent)  # 40 unlikely guesses: the cost model sends few of them
-    assert chosen < 8 <= spec.explore_size(chosen, 40, 63)
+    assert len(chosen) > 4 and state.recent == chosen[-8:] and not explored  # sent as sized
     spec.forget(runner)
 
 

@@ -265,6 +265,7 @@ class TreeDrafter:
         # per node of the last proposal: what proposed it, and its combined estimate
         self._last: list[tuple[Contrib, float]] = []
         self._last_tree = DraftTree()
+        self._last_root = -1  # the root position of the last proposal
 
     def reset(self) -> None:
         for s in self.sources:
@@ -321,18 +322,32 @@ class TreeDrafter:
         self._last = [contribs[k] for k in keys if isinstance(k, int)]
         tree.keys = [None] * len(tree)
         self._last_tree = tree
+        self._last_root = len(context) - 1
         return tree
 
     def observe(self, verified: Verified) -> None:
-        """Calibrate every proposed node whose parent was accepted, then feed the sources."""
-        tree = self._last_tree
+        """Calibrate every proposed node whose parent was accepted — once, and only when
+        ``verified`` is the round that verified the last proposal — then feed the sources.
+
+        Other rounds are shown too (the prompt, one-token steps caught up as one chain, a
+        proposal that was never sent): calibrating the last tree against those would count its
+        nodes as hits or misses at unrelated positions."""
+        tree, last = self._last_tree, self._last
         n = min(len(tree), len(verified.tokens) - 1)  # the block may hold a prefix of the tree
+        block_tokens, block_parents = tree.prefix(n).block(verified.tokens[0])
+        if (
+            verified.root_index != self._last_root
+            or verified.tokens[: n + 1] != block_tokens
+            or verified.parents[: n + 1] != block_parents
+        ):
+            n = 0
+        self._last_tree, self._last = DraftTree(), []
         for i in range(n):
             target = verified.targets.get(tree.parents[i] + 1)
             if target is None:
                 continue
             hit = tree.tokens[i] == target
-            contrib, raw = self._last[i]
+            contrib, raw = last[i]
             for name, key, _ in contrib:
                 self.calibrator.update(name, key, hit)
             self.merged.update(raw, hit)
