@@ -81,7 +81,7 @@ class ModelConfig:
     @property
     def plain_layers(self) -> bool:
         """Whether the decoder layer is the Llama one (pre-norm, SiLU gate, plain attention):
-        what the one-call quantized layer (``engine.kernels.fused_layer``) computes."""
+        what the one-call quantized layer (``engine.kernels.fused_layers``) computes."""
         return all(getattr(self, k) == v for k, v in _LATER_FIELDS.items())
 
     def require_plain_layers(self, what: str) -> None:

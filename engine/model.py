@@ -325,7 +325,7 @@ class LayerWeights:
 
 
 def fused_args(w: LayerWeights, cfg: ModelConfig) -> tuple[Any, ...] | None:
-    """Arguments of the one-call quantized layer (engine.kernels.fused_layer), or None when a
+    """Arguments of the one-call quantized layer (engine.kernels.fused_layers), or None when a
     matrix is not quantized (float) or the family's layer is not the Llama one it computes
     (then the layer runs piece by piece, each product still through the quantized kernels).
     A q|k|v or gate|up stored in several formats (``Stacked``, as in ``*-Q4_K_M.gguf`` files)
@@ -554,6 +554,8 @@ class LayerStack:
             len(self.layers), config.n_kv_heads, config.head_dim, capacity, dtype, device
         )
         self._fused: list[tuple[Any, ...]] | None = None  # one-call layers (quantized weights)
+        # the cache tensor and numpy views of its K and V buffers, remade when it grows
+        self._kv_arrays: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
         if self.layers and self.device.type == "cpu" and dtype == torch.float32:
             args = [fused_args(w, config) for w in self.layers]
             if all(a is not None for a in args) and kernels.quant_available():
@@ -610,27 +612,42 @@ class LayerStack:
         start = self.cache.append_block(positions)
         cache_pos = self.cache.pos[: self.cache.length]
         ropes = {r: rope_cos_sin(f, positions, self.dtype) for r, f in self.inv_freqs.items()}
+        if self._fused is not None:
+            return self._forward_fused(x, ropes, positions, parents, cache_pos, start)
         masks: dict[int | None, torch.Tensor | None] = {}
-        fused = self._fused
-        if fused is not None:
-            x = x.contiguous().clone()  # updated in place layer after layer
         for i, w in enumerate(self.layers):
             win = self.windows[i]
             cos, sin = ropes[self.ropes[i]]  # [B, hd]
             if win not in masks:
                 masks[win] = block_mask(positions, parents, cache_pos, start, win)
-            if fused is not None:
-                kernels.fused_layer(
-                    x,
-                    fused[i],
-                    cos,
-                    sin,
-                    self.cache.k[i],
-                    self.cache.v[i],
-                    start,
-                    masks[win],
-                    self.config.rms_eps,
-                )
-            else:
-                x = decoder_layer(x, w, self.config, cos, sin, self.cache, i, start, masks[win])
+            x = decoder_layer(x, w, self.config, cos, sin, self.cache, i, start, masks[win])
+        return x
+
+    def _forward_fused(
+        self,
+        x: torch.Tensor,
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        positions: torch.Tensor,
+        parents: Sequence[int] | None,
+        cache_pos: torch.Tensor,
+        start: int,
+    ) -> torch.Tensor:
+        """The block through every layer as one-call quantized layers (``kernels.fused_layers``):
+        the arrays each layer reads are made once per block, not once per layer."""
+        assert self._fused is not None
+        x = x.contiguous().clone()  # [B, H], updated in place layer after layer
+        if self._kv_arrays is None or self._kv_arrays[0] is not self.cache.k:
+            self._kv_arrays = (self.cache.k, self.cache.k.numpy(), self.cache.v.numpy())
+        _, k_all, v_all = self._kv_arrays  # [L, nkv, capacity, hd], views of the cache
+        rope_arrays = {r: (c.numpy(), s.numpy()) for r, (c, s) in ropes.items()}  # [B, hd]
+        mask_arrays: dict[int | None, np.ndarray | None] = {}
+        calls = []
+        for i, args in enumerate(self._fused):
+            win = self.windows[i]
+            if win not in mask_arrays:
+                m = block_mask(positions, parents, cache_pos, start, win)
+                mask_arrays[win] = None if m is None else m.numpy()  # [B, T]
+            cos, sin = rope_arrays[self.ropes[i]]
+            calls.append((args, cos, sin, k_all[i], v_all[i], mask_arrays[win]))
+        kernels.fused_layers(x.numpy(), calls, start, self.config.rms_eps)
         return x

@@ -12,7 +12,7 @@ from engine.chat import messages_for, prompt_ids
 from engine.detok import StreamingDetokenizer
 from engine.errors import GenerationError
 from engine.generate import CancelToken, Output, generate
-from engine.sampling import SamplingParams, pick, process_logits
+from engine.sampling import SamplingParams, greedy_token, pick, process_logits
 from engine.split import SplitRunner, load_client, load_trunk
 from tests.tiny import CORPUS, tiny_tokenizer
 
@@ -108,6 +108,26 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny_llama: Path) -> None:
 def test_pick_greedy_is_argmax_first_max() -> None:
     logits = torch.tensor([0.0, 2.0, 2.0, 1.0])
     assert pick(logits, SamplingParams(), [], None) == 1
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        [0.0, 2.0, 2.0, 1.0],  # a tie: the first
+        [float("-inf"), -3.0, -1.0, -1.0],
+        [1.0, float("nan"), 5.0, float("nan")],  # a NaN counts as the largest
+        [float("inf"), float("inf"), 0.0, 1.0],
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_token_is_torch_argmax(row: list[float], dtype: torch.dtype) -> None:
+    logits = torch.tensor(row, dtype=dtype)
+    want = int(torch.argmax(logits))
+    assert greedy_token(logits) == want
+    strided = torch.tensor([[v, 9.0] for v in row], dtype=dtype)[:, 0]  # every other value
+    assert not strided.is_contiguous() and greedy_token(strided) == want
+    params = SamplingParams(repetition_penalty=1.3)  # the processed row takes the same rule
+    assert pick(logits, params, [], None) == want
 
 
 def test_output_honours_eos_stop_strings_and_max_tokens() -> None:

@@ -16,6 +16,7 @@ import torch
 from engine import kernels
 from engine.generate import generate
 from engine.loading import ResolvedModel, load_config
+from engine.model import LayerStack
 from engine.quant import QuantWeight, weight_bytes
 from engine.quant.gguf import GGUFFile
 from engine.quant.load import GGUFWeights
@@ -166,6 +167,27 @@ def test_speculative_equals_sequential_int(
         assert client.client_quant == quant
         s, e = client.plan.trunk_range
         _check_spec_equals_seq(SplitRunner(client, load_trunk(str(tiny_models[fam]), s, e)))
+
+
+def test_one_call_layers_follow_a_growing_cache(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-call layers keep numpy views of the KV cache between blocks; when the cache
+    grows (new buffers) they must write and read the new ones: a stack that starts with room
+    for 2 slots and doubles four times computes the bits of one that never grows."""
+    monkeypatch.setenv("VEIL_CACHE_DIR", str(tmp_path / "cache"))
+    client = load_client(str(tiny_models["llama"]), 1, client_quant="int8")
+    cfg, layers = client.config, client.head.layers
+    small = LayerStack(cfg, 0, layers, capacity=2)
+    big = LayerStack(cfg, 0, layers, capacity=64)
+    assert small._fused is not None and big._fused is not None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20, cfg.hidden_size, generator=gen)  # [T, H]
+    blocks = [(0, 3), *((i, i + 1) for i in range(3, 20))]  # a prompt, then one row at a time
+    for a, b in blocks:
+        pos = torch.arange(a, b)
+        assert torch.equal(small.forward(x[a:b], pos), big.forward(x[a:b], pos))
+    assert small.cache.capacity == 32 and big.cache.capacity == 64
 
 
 def test_client_reads_only_its_tensors_and_holds_them_quantized(
