@@ -92,9 +92,8 @@ def pick(
     generator: torch.Generator | None,
 ) -> int:
     """Choose the next token from one row of logits: argmax, or one seeded draw."""
-    if params.greedy and params.repetition_penalty == 1.0:
-        return greedy_token(logits)
+    if params.greedy:  # (with no penalty the row itself: no processed copy to make)
+        plain = params.repetition_penalty == 1.0
+        return greedy_token(logits if plain else process_logits(logits, params, context))
     x = process_logits(logits, params, context)
-    if params.greedy:
-        return greedy_token(x)
     return int(torch.multinomial(x.softmax(-1), 1, generator=generator))

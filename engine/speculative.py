@@ -48,7 +48,7 @@ from engine.generate import (
 )
 from engine.lazy_logits import LazyLogits
 from engine.protocol import Load
-from engine.sampling import SamplingParams, greedy_token, process_logits
+from engine.sampling import SamplingParams, pick
 from engine.spec_cost import MIN_SPREAD, CostModel, ModeChooser, explore_size, proposal_size
 from engine.split import SplitRunner
 
@@ -173,12 +173,7 @@ def choose_token(
     ``children`` (draft token → node) is unused by the exact rule — the draw does not depend on
     the draft — but is part of the signature so a variant can be tested against it.
     """
-    if params.greedy and params.repetition_penalty == 1.0:
-        return greedy_token(logits)
-    x = process_logits(logits, params, context)  # [V]
-    if params.greedy:
-        return greedy_token(x)
-    return int(torch.multinomial(x.softmax(-1), 1, generator=generator))
+    return pick(logits, params, context, generator)
 
 
 def generate_speculative(
