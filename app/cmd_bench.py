@@ -17,6 +17,9 @@ from engine.errors import VeilError
 from engine.loading import DEFAULT_MODEL
 
 DECODERS = ("sequential", "speculative")
+# with --pipeline: the speculative decoder with rounds in flight too (its own learned state)
+ALL_DECODERS = (*DECODERS, "pipelined")
+COLORS = {"sequential": "tab:gray", "speculative": "tab:blue", "pipelined": "tab:orange"}
 
 
 class BenchError(VeilError):
@@ -99,6 +102,13 @@ def add_parser(sub: Any) -> None:
         "--org-key: the organisation-keyed split's cost",
     )
     p.add_argument("--org-key", default=None, metavar="FILE", help="the key of --keyed-trunk")
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="also run the speculative decoder with rounds in flight (the `pipelined` decoder: "
+        "round r+1 sent on a bet while round r is on the wire, where the cost model says it "
+        "pays), beside the same decoder without them",
+    )
     p.add_argument("--out", default=None, metavar="DIR")
     p.set_defaults(func=run)
     from app import cmd_bench_client
@@ -155,7 +165,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """TPR = total generated tokens / total round trips (prefill included); tok/s = tokens after
     the first / decode seconds, over all prompts."""
     out: dict[str, Any] = {"tokens_per_round_trip": {}, "decode_tok_s": {}, "rows_per_token": {}}
-    for d in DECODERS:
+    for d in decoders_of(rows):
         toks = sum(len(r[d]["token_ids"]) for r in rows)
         rts = sum(r[d]["round_trips"] for r in rows)
         dec_toks = sum(max(len(r[d]["token_ids"]) - 1, 0) for r in rows)
@@ -174,7 +184,22 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["draft_ms_per_round"] = round(
         _ratio(1000 * sum(r.get("draft_s", 0.0) for r in spec), rounds), 3
     )
+    if "pipelined" in decoders_of(rows):
+        pipe = [r["pipelined"] for r in rows]
+        tok_s = out["decode_tok_s"]
+        out["pipelined"] = {
+            "speedup": round(_ratio(tok_s["pipelined"], tok_s["sequential"]), 3),
+            "vs_speculative": round(_ratio(tok_s["pipelined"], tok_s["speculative"]), 3),
+            # its tokens per round trip count every block sent, the rounds sent ahead included
+            "rounds_in_flight": sum(r["pipelined_rounds"] for r in pipe),
+            "bets_won": sum(r["pipeline_hits"] for r in pipe),
+        }
     return out
+
+
+def decoders_of(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The decoders a run measured (sequential and speculative always; pipelined if asked)."""
+    return [d for d in ALL_DECODERS if not rows or d in rows[0]]
 
 
 def machine() -> str:
@@ -194,7 +219,11 @@ def run_prompts(
     prompts: Sequence[dict[str, str]],
     max_new_tokens: int,
     bar: Any,
+    pipelined: Any = None,
 ) -> list[dict[str, Any]]:
+    """Each prompt through each decoder in turn; ``pipelined``: a second runner on the same
+    client and trunk for the pipelined decoder (it learns apart, so neither decoder drafts from
+    what the other was shown)."""
     from engine.chat import messages_for, prompt_ids
     from engine.generate import generate
     from engine.sampling import SamplingParams
@@ -204,10 +233,10 @@ def run_prompts(
     for p in prompts:
         ids = prompt_ids(runner.client.tokenizer, messages_for(p["prompt"], None))
         row: dict[str, Any] = {"id": p["id"], "category": p["category"]}
-        for d in DECODERS:
+        for d in (*DECODERS, "pipelined") if pipelined is not None else DECODERS:
             if bar is not None:
                 bar.set_postfix_str(f"{p['id']} {d}")
-            res = generate(runner, ids, params, decoder=d)
+            res = generate(pipelined if d == "pipelined" else runner, ids, params, decoder=d)
             st = res.stats
             row[d] = {
                 "token_ids": res.token_ids,
@@ -219,15 +248,19 @@ def run_prompts(
                 "trunk_rows": st.tree_nodes_sent,
                 "rows_per_token": round(st.rows_per_token, 4),
             }
-            if d == "speculative":
+            if d != "sequential":
                 row[d]["tokens_per_round_trip"] = round(st.tokens_per_round_trip, 4)
                 row[d]["tree_nodes_sent"] = st.tree_nodes_sent
                 row[d]["accepted_hist"] = {str(k): v for k, v in sorted(st.accepted_hist.items())}
                 row[d]["draft_s"] = round(st.draft_s, 4)
                 row[d]["draft_ms_per_round"] = round(st.draft_ms_per_round, 3)
+            if d == "pipelined":
+                row[d]["pipelined_rounds"] = st.pipelined_rounds
+                row[d]["pipeline_hits"] = st.pipeline_hits
             if bar is not None:
                 bar.update(1)
-        row["identical"] = row["sequential"]["token_ids"] == row["speculative"]["token_ids"]
+        want = row["sequential"]["token_ids"]
+        row["identical"] = all(row[d]["token_ids"] == want for d in decoders_of([row]))
         rows.append(row)
     return rows
 
@@ -244,7 +277,9 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     top = max([s["rtt_ms"] for s in pts] + [150.0])
     grid = [top * i / 60 for i in range(61)]
-    for d, color in zip(DECODERS, ("tab:gray", "tab:blue"), strict=True):
+    decoders = decoders_of(results["prompts"])
+    for d in decoders:
+        color = COLORS[d]
         xs = [s["rtt_ms"] for s in pts]
         ys = [s["decode_tok_s"][d] for s in pts]
         ax.plot(xs, ys, "o-", color=color, label=f"{d} (measured)")
@@ -270,11 +305,11 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
         cats.setdefault(r["category"], []).append(r)
     names = sorted(cats)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    width = 0.38
-    for j, (d, color) in enumerate(zip(DECODERS, ("tab:gray", "tab:blue"), strict=True)):
+    width = 0.76 / len(decoders)
+    for j, d in enumerate(decoders):
         vals = [summarize(cats[c])["tokens_per_round_trip"][d] for c in names]
-        xs = [i + (j - 0.5) * width for i in range(len(names))]
-        bars = ax.bar(xs, vals, width, color=color, label=d)
+        xs = [i + (j - (len(decoders) - 1) / 2) * width for i in range(len(names))]
+        bars = ax.bar(xs, vals, width, color=COLORS[d], label=d)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("tokens per round trip")
@@ -292,7 +327,7 @@ def model_fit(rows: Sequence[dict[str, Any]], rtt_ms: float) -> dict[str, Any]:
     """Per decoder: compute seconds per token (decode time minus the emulated RTT of each round
     trip) and round trips per token, to predict tok/s at other RTTs."""
     fit = {}
-    for d in DECODERS:
+    for d in decoders_of(rows):
         toks = sum(max(len(r[d]["token_ids"]) - 1, 0) for r in rows)
         rts = sum(r[d]["round_trips"] - 1 for r in rows)  # decode round trips
         dec_s = sum(r[d]["decode_s"] for r in rows)
@@ -333,6 +368,14 @@ def table(results: dict[str, Any]) -> str:
         f"{sm.get('rows_per_token', {}).get('speculative', 0.0):.2f} trunk rows per committed token"
         + (f" with the draft head {results['draft_head']}" if results.get("draft_head") else "")
     )
+    pipe = sm.get("pipelined")
+    if pipe is not None:
+        lines.append(
+            f"with rounds in flight: {sm['decode_tok_s']['pipelined']:.2f} tok/s, "
+            f"{pipe['speedup']:.2f}x sequential, {pipe['vs_speculative']:.2f}x without them; "
+            f"{sm['tokens_per_round_trip']['pipelined']:.2f} tokens per round trip counting the "
+            f"{pipe['rounds_in_flight']} rounds sent ahead ({pipe['bets_won']} bets won)"
+        )
     return "\n".join(lines)
 
 
@@ -425,15 +468,20 @@ def run(args: argparse.Namespace) -> int:
             )
             try:
                 runner = SplitRunner(client, trunk)
-                use_draft_head(runner, parse_head_choice(args.draft_head, client))
-                total = 2 * len(prompts) * (1 + len(sweep)) + 2
+                head_choice = parse_head_choice(args.draft_head, client)
+                use_draft_head(runner, head_choice)
+                piped = SplitRunner(client, trunk) if args.pipeline else None
+                if piped is not None:
+                    use_draft_head(piped, head_choice)
+                n_dec = 3 if piped is not None else 2
+                total = n_dec * len(prompts) * (1 + len(sweep)) + n_dec
                 with tqdm(total=total, desc="bench", file=sys.stderr, unit="run") as bar:
                     # warm-up (allocations, first-call overheads), not recorded
                     bar.set_postfix_str("warm-up")
-                    run_prompts(runner, prompts[:1], min(8, args.max_new_tokens), None)
-                    bar.update(2)
+                    run_prompts(runner, prompts[:1], min(8, args.max_new_tokens), None, piped)
+                    bar.update(n_dec)
                     t0 = time.perf_counter()
-                    rows = run_prompts(runner, prompts, args.max_new_tokens, bar)
+                    rows = run_prompts(runner, prompts, args.max_new_tokens, bar, piped)
                     wall = time.perf_counter() - t0
                     summary = summarize(rows)
                     head = draft_head_of(runner)
@@ -449,8 +497,10 @@ def run(args: argparse.Namespace) -> int:
                         proxy.set_rtt(rtt)
                         # each pass starts as the first did: nothing learned from these prompts
                         forget(runner)
-                        run_prompts(runner, prompts[:1], min(8, args.max_new_tokens), None)
-                        s = summarize(run_prompts(runner, prompts, args.max_new_tokens, bar))
+                        if piped is not None:
+                            forget(piped)
+                        run_prompts(runner, prompts[:1], min(8, args.max_new_tokens), None, piped)
+                        s = summarize(run_prompts(runner, prompts, args.max_new_tokens, bar, piped))
                         points.append(
                             {
                                 "rtt_ms": rtt,

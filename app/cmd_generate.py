@@ -120,7 +120,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--decoder",
         default=default_decoder(),
-        help="sequential or speculative (default: %(default)s)",
+        help="sequential, speculative, or pipelined (speculative with rounds in flight: round "
+        "r+1 sent while round r is on the wire, where the cost model says it pays) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--draft-head",
@@ -293,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
 def _use_draft_head(runner: Any, args: argparse.Namespace) -> str | None:
     """Apply ``--draft-head``; returns the head file drafting uses (None: no learned head)."""
     choice = getattr(args, "draft_head", "auto")
-    if args.decoder != "speculative":
+    if args.decoder not in ("speculative", "pipelined"):
         return None
     from engine.drafts.select import parse_head_choice
     from engine.speculative import draft_head_of, use_draft_head

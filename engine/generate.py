@@ -51,6 +51,8 @@ class GenerationStats:
     accepted_hist: dict[int, int] = field(default_factory=dict)
     draft_s: float = 0.0  # time spent drafting (proposing trees and learning from rounds)
     one_token_steps: int = 0  # speculative rounds sent without a tree (drafting did not pay)
+    pipelined_rounds: int = 0  # rounds sent while the round before was in flight
+    pipeline_hits: int = 0  # of which the bet on the round before was exact (verified)
 
     @property
     def decode_tok_s(self) -> float:

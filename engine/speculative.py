@@ -21,6 +21,12 @@ exactly the non-speculative one.
 
 Tree size and the choice between drafted rounds and one-token steps: :mod:`engine.spec_cost`
 (a cost model fitted from the rounds seen; under load, priced in the office's seconds).
+
+Rounds in flight (``SpecOptions.pipeline``, the ``pipelined`` decoder): while a round is on the
+wire the next one goes on bets about its outcome (:mod:`engine.spec_pipeline`). A block may then
+start with a *chain* — committed tokens whose rows are sent again before the root — and a round
+sent ahead is verified from the row of the bet that won; every token is still chosen by
+:func:`choose_token` after its true prefix, in order, so both exactness arguments above hold.
 """
 
 from __future__ import annotations
@@ -50,7 +56,15 @@ from engine.lazy_logits import LazyLogits
 from engine.protocol import Load
 from engine.sampling import SamplingParams, pick
 from engine.spec_cost import MIN_SPREAD, CostModel, ModeChooser, explore_size, proposal_size
-from engine.split import SplitRunner
+from engine.spec_pipeline import (
+    EXTRA_NODES,
+    AheadRound,
+    HitCalibration,
+    send_ahead,
+    settle,
+    start_round,
+)
+from engine.split import InFlight, LocalTrunk, SplitRunner
 
 TOPK = 8  # successors recorded per verified node (token recycling)
 
@@ -69,6 +83,10 @@ class SpecOptions:
     # Size trees and choose one-token steps by the office's committed tokens per second when the
     # trunk reports its load (False: by this client's own rate alone, as before the load report)
     load_aware: bool = True
+    # Rounds in flight (engine.spec_pipeline): "off"; "auto" sends round r+1 while round r is
+    # on the wire when the cost model says the bet pays, and only to a trunk behind a link;
+    # "always" whenever there is a bet to make, on any trunk (tests, counting benchmarks)
+    pipeline: str = "off"
 
 
 def top_successors(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +108,9 @@ class _RunnerState:
     mode: ModeChooser = field(default_factory=ModeChooser)  # drafting at all, or one-token steps
     head: HeadDraft | None = None  # the learned source inside ``drafter``, if any
     rounds: int = 0
+    hits: HitCalibration = field(default_factory=HitCalibration)  # bets on rounds' outcomes
+    no_bets: int = 0  # drafted rounds since a round was sent ahead (pipeline "auto")
+    looks: int = 0
 
 
 _STATE: weakref.WeakKeyDictionary[SplitRunner, _RunnerState] = weakref.WeakKeyDictionary()
@@ -230,6 +251,14 @@ def generate_speculative(
     # than sequential decoding's): their roots, logits rows and features wait here and are
     # shown as one accepted chain before the next drafted round (see _catch_up)
     pending: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
+    # rounds in flight (engine.spec_pipeline): committed tokens whose rows the next block sends
+    # again before its root (after a wrong bet), and the round sent while the last was on the wire
+    chain: list[int] = []
+    ahead: AheadRound | None = None
+    # a round sent ahead whose bets all lost: its answer is taken (and dropped) just before the
+    # next round's, so that the next round goes at once instead of waiting for it
+    dropped: InFlight | None = None
+    pipe = _pipeline_mode(runner, opts)
     while not done:
         if cancel is not None and cancel.cancelled:
             out.finish("cancelled")
@@ -237,53 +266,91 @@ def generate_speculative(
         t_round = time.perf_counter()
         root, root_pos = ctx[-1], len(ctx) - 1
         room = min(limit - 1 - root_pos, params.max_new_tokens - len(out.token_ids))
-        load = trunk_load(runner) if opts.load_aware else None
-        cost.set_load(load)
-        if head is not None:
-            # a level of the head's tree must add at least what its time buys at the current
-            # rate (with a fixed budget nothing depends on measured time: no limit)
-            head.min_gain = (
-                head.level_ms / 1000 * cost.rate(max(state.recent[-1:] or [0]) + 1)
-                if opts.fixed_budget is None
-                else 0.0
-            )
-        # a one-token step when drafting does not pay (measured): no tree, one row verified
-        one_step = opts.fixed_budget is None and state.mode.next_is_sequential()
-        if one_step:
-            tree = DraftTree()
-            stats.one_token_steps += 1
+        carried, ahead = ahead, None  # sent last round and a bet won: verified now
+        proposal: DraftTree | None = None
+        one_step = False
+        if carried is not None:
+            assert carried.won is not None
+            bet, flight = carried.won, carried.flight
+            tree, walk_rows, kept = bet.tree, bet.rows, bet.kept
         else:
-            if prompt_seen is not None:  # shown before the first drafted round, not before
-                # (a look at drafting while one-token steps win skips the prompt's LM-head rows:
-                # 80-150 ms of Qwen2.5-1.5B's for a chat prompt, paid on every reply)
-                shown = 0 if state.mode.sequential else PROMPT_ROWS
-                drafter.observe(_prompt_verified(runner, *prompt_seen, taps, shown))
-                prompt_seen = None
-            if pending:
-                drafter.observe(_catch_up(ctx, pending, taps))
-                pending = []
-            if opts.fixed_budget is not None:
-                tree = limit_depth(drafter.propose(ctx, opts.fixed_budget), room)
+            load = trunk_load(runner) if opts.load_aware else None
+            cost.set_load(load)
+            if head is not None:
+                # a level of the head's tree must add at least what its time buys at the current
+                # rate (with a fixed budget nothing depends on measured time: no limit)
+                head.min_gain = (
+                    head.level_ms / 1000 * cost.rate(max(state.recent[-1:] or [0]) + 1)
+                    if opts.fixed_budget is None
+                    else 0.0
+                )
+            # a one-token step when drafting does not pay (measured): no tree, one row verified
+            one_step = opts.fixed_budget is None and state.mode.next_is_sequential()
+            # (auto: the extra nodes bets are drawn from are proposed while bets are being
+            # taken, and on every AHEAD_LOOK-th drafted round after none was)
+            extra = EXTRA_NODES if not one_step and _looks_ahead(state, pipe) else 0
+            if one_step:
+                tree = DraftTree()
+                stats.one_token_steps += 1
             else:
-                size = proposal_size(state.recent, opts.max_nodes)
-                sized = _sized(limit_depth(drafter.propose(ctx, size), room), state, opts)
-                if sized is None:  # a look whose best tree loses by the drafter's own estimates
-                    one_step = True
-                    stats.one_token_steps += 1
-                tree = DraftTree() if sized is None else sized
+                if prompt_seen is not None:  # shown before the first drafted round, not before
+                    # (a look at drafting while one-token steps win skips the prompt's LM-head
+                    # rows: 80-150 ms of Qwen2.5-1.5B's for a chat prompt, paid on every reply)
+                    shown = 0 if state.mode.sequential else PROMPT_ROWS
+                    drafter.observe(_prompt_verified(runner, *prompt_seen, taps, shown))
+                    prompt_seen = None
+                if pending:
+                    drafter.observe(_catch_up(ctx, pending, taps))
+                    pending = []
+                budget = (
+                    opts.fixed_budget
+                    if opts.fixed_budget is not None
+                    else proposal_size(state.recent, opts.max_nodes)
+                )
+                proposal = limit_depth(drafter.propose(ctx, budget + extra), room)
+                if opts.fixed_budget is not None:
+                    tree = proposal.prefix(budget)
+                else:
+                    sized = _sized(proposal.prefix(budget), state, opts)
+                    if sized is None:  # a look whose best tree loses by the drafter's estimates
+                        one_step = True
+                        stats.one_token_steps += 1
+                    tree = DraftTree() if sized is None else sized
+            m = len(chain)
+            flight = start_round(runner, chain, tree, root, root_pos, keep)
+            walk_rows, kept = list(range(m, m + 1 + len(tree))), list(range(m))
+            stats.round_trips += 1
+            stats.tree_nodes_sent += m + 1 + len(tree)
+            chain = []
+            if proposal is not None and not one_step and extra:
+                ahead = send_ahead(
+                    runner, proposal, len(tree), (root_pos, room, m), state.cost, state.hits, pipe
+                )
+                state.no_bets = 0 if ahead is not None else state.no_bets + 1
+                if ahead is not None:
+                    stats.round_trips += 1
+                    stats.tree_nodes_sent += len(ahead.plan.tree)
         t_sent = time.perf_counter()
         draft_s = t_sent - t_round
         ids, parents = tree.block(root)
-        positions = [root_pos] + [root_pos + d for d in tree.depths()]
         lazy = opts.lazy_head and not getattr(drafter, "needs_all_logits", True)
+        if dropped is not None:
+            runner.finish(dropped)
+            dropped = None
+        states = runner.finish(flight)
+        # the rows of the tree walked: [root, nodes...] (rows before them are not verified)
+        pick_rows = (
+            slice(walk_rows[0], walk_rows[-1] + 1)
+            if walk_rows == list(range(walk_rows[0], walk_rows[-1] + 1))
+            else torch.tensor(walk_rows)
+        )
+        hid = states.final[pick_rows]  # [B, H]
+        feats = states.features()[pick_rows] if taps is not None else None  # [B, 3H]
         rows: torch.Tensor | LazyLogits
         if lazy:  # LM-head rows as the walk reaches them; same bits as computing them all
-            hid, feats = _verify_hidden(runner, ids, positions, parents, keep, taps)  # [B, H]
             rows = LazyLogits(runner.client, hid, parents, [1.0, *tree.probs])
         else:
-            rows, feats = _verify(runner, ids, positions, parents, keep, taps)  # [B, V]
-        stats.round_trips += 1
-        stats.tree_nodes_sent += len(ids)
+            rows = runner.client.logits(hid)  # [B, V]
         kids: list[dict[int, int]] = [{} for _ in ids]
         for i in range(1, len(ids)):
             kids[parents[i]][ids[i]] = i
@@ -305,7 +372,20 @@ def generate_speculative(
                 break  # tok is the bonus token: the next block's root
             node = child
             path.append(child)
-        keep = path
+        keep = [*kept, *(walk_rows[i] for i in path)]
+        if ahead is not None:  # settle the bets on this round's outcome
+            assert proposal is not None
+            ahead.won = settle(ahead.plan, proposal, [i - 1 for i in path[1:]], ctx[-1])
+            won = ahead.won.won if not done else None
+            for j, p_hit in ahead.plan.bets.items():
+                state.hits.update(p_hit, j == won)
+            stats.pipelined_rounds += 1
+            if won is not None:
+                stats.pipeline_hits += 1
+            else:  # its answer is dropped; the caches keep its rows on this round's path
+                dropped = ahead.flight
+                keep, chain = ahead.won.kept, ahead.won.chain
+                ahead = None
         stats.accepted_hist[committed] = stats.accepted_hist.get(committed, 0) + 1
         if done:
             stats.draft_s += draft_s
@@ -333,15 +413,40 @@ def generate_speculative(
             )
         draft_s += time.perf_counter() - t_learn
         stats.draft_s += draft_s
-        cost.observe(len(ids), t_learn - t_sent)
+        if carried is None:  # (a carried round's wait overlapped the round before it)
+            cost.observe(walk_rows[-1] + 1, t_learn - t_sent)
         if not one_step:  # the rate a head must beat is that of drafted rounds
             cost.observe_round(draft_s, committed)
         if opts.fixed_budget is None:
-            office_s = cost.office_seconds(time.perf_counter() - t_round, len(ids))
+            office_s = cost.office_seconds(time.perf_counter() - t_round, walk_rows[-1] + 1)
             state.mode.observe(one_step, office_s, committed)
+    for late in (dropped, None if ahead is None else ahead.flight):
+        if late is not None:  # sent before the round that ended the reply: dropped
+            runner.finish(late)
     stats.new_tokens = len(out.token_ids)
     stats.decode_s = time.perf_counter() - t_first
     return GenerationResult(out.text, out.token_ids, out.finish_reason or "length", stats)
+
+
+def _pipeline_mode(runner: SplitRunner, opts: SpecOptions) -> str:
+    if opts.pipeline not in ("off", "auto", "always"):
+        raise ValueError(f"unknown pipeline mode '{opts.pipeline}' (off, auto or always)")
+    trunk = getattr(_key(runner), "trunk", None)
+    if opts.pipeline == "auto" and (not runner.remote or isinstance(trunk, LocalTrunk)):
+        return "off"  # no link whose wait a second round could fill
+    return opts.pipeline
+
+
+AHEAD_LOOK = 8  # pipeline "auto": after a drafted round without a bet worth sending, look again
+# for one only every 8th drafted round (proposing the extra nodes costs drafting time)
+
+
+def _looks_ahead(state: _RunnerState, pipe: str) -> bool:
+    """Whether this drafted round proposes the extra nodes that bets are drawn from."""
+    if pipe != "auto" or state.no_bets == 0:
+        return pipe != "off"
+    state.looks += 1
+    return state.looks % AHEAD_LOOK == 0
 
 
 def _sized(tree: DraftTree, state: _RunnerState, opts: SpecOptions) -> DraftTree | None:
@@ -470,22 +575,6 @@ def _taps(runner: SplitRunner, head: HeadDraft | None) -> tuple[int, int, int] |
     return taps if head.accepts(taps) else None
 
 
-def _verify(
-    runner: SplitRunner,
-    ids: Sequence[int],
-    positions: Sequence[int],
-    parents: Sequence[int] | None,
-    keep: Sequence[int] | None,
-    taps: tuple[int, int, int] | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One trunk round trip: logits [B, V] of every node, and the features [B, 3H] a learned
-    head reads (when ``taps`` says it reads them)."""
-    if taps is None:
-        return runner.forward(ids, positions, parents, keep), None
-    states = runner.forward_states(ids, positions, parents, keep)
-    return runner.client.logits(states.final), states.features()
-
-
 def _joined(
     blocks: list[tuple[torch.Tensor, torch.Tensor | None]],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -504,8 +593,9 @@ def _verify_hidden(
     keep: Sequence[int] | None,
     taps: tuple[int, int, int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Like :func:`_verify`, but the final hidden states [B, H] instead of the logits (the
-    LM head runs lazily, row by row)."""
+    """One trunk round trip for the prompt: the final hidden states [B, H] (the LM head runs
+    on the rows needed), and the features [B, 3H] a learned head reads (when ``taps`` says it
+    reads them)."""
     if taps is None:
         return runner.hidden(ids, positions, parents, keep), None
     states = runner.forward_states(ids, positions, parents, keep)
@@ -513,3 +603,27 @@ def _verify_hidden(
 
 
 DECODERS["speculative"] = generate_speculative
+
+
+def generate_pipelined(
+    runner: SplitRunner,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    on_text: TextCallback | None = None,
+    cancel: CancelToken | None = None,
+    prefill: Prefill | None = None,
+) -> GenerationResult:
+    """The speculative decoder with rounds in flight where they pay (``pipeline="auto"``)."""
+    return generate_speculative(
+        runner,
+        prompt_ids,
+        params,
+        on_text=on_text,
+        cancel=cancel,
+        options=SpecOptions(pipeline="auto"),
+        prefill=prefill,
+    )
+
+
+DECODERS["pipelined"] = generate_pipelined

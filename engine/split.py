@@ -88,7 +88,10 @@ class Trunk(Protocol):
     start: int
     end: int
     # A trunk may also have ``key_id``: an organisation key's public id when it computes in that
-    # key's secret basis (then the runner sends ``h @ q`` and turns the answer back).
+    # key's secret basis (then the runner sends ``h @ q`` and turns the answer back), and
+    # ``submit``/``collect``: a block sent now and its answer taken later, in order, so that a
+    # second block can go before the first one's answer is back (rounds in flight; a trunk
+    # without them answers at once).
 
     def forward(
         self,
@@ -122,6 +125,19 @@ class LocalTrunk:
     ) -> torch.Tensor:
         self.round_trips += 1
         return self.stack.forward(hidden, positions, parents, keep)
+
+    def submit(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """In this process there is no link to overlap: computed now, returned by collect."""
+        return self.forward(hidden, positions, parents, keep)
+
+    def collect(self, ticket: torch.Tensor) -> torch.Tensor:
+        return ticket
 
     def reset(self) -> None:
         self.stack.reset()
@@ -353,6 +369,18 @@ class BlockStates:
         return torch.cat([self.head, self.trunk, self.final], dim=-1)  # [B, 3H]
 
 
+@dataclass
+class InFlight:
+    """A block whose head layers ran and whose trunk step was sent (:meth:`SplitRunner.start`);
+    :meth:`SplitRunner.finish` takes the trunk's answer and runs the tail."""
+
+    head: torch.Tensor  # [B, H] after the head layers
+    positions: torch.Tensor  # [B]
+    parents: Sequence[int] | None
+    keep: Sequence[int] | None
+    ticket: Any  # the trunk's handle (or its answer, for a trunk that answers at once)
+
+
 class SplitRunner:
     """Runs a block through head → trunk → tail → LM head and counts trunk round trips."""
 
@@ -436,22 +464,51 @@ class SplitRunner:
     ) -> BlockStates:
         """Like :meth:`hidden` (one trunk round trip), but the hidden states at the head, the
         trunk and the tail; the logits are ``client.logits(states.final)``."""
+        return self.finish(self.start(ids, positions, parents, keep))
+
+    @torch.inference_mode()
+    def start(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> InFlight:
+        """The first half of :meth:`forward_states`: the head layers, and the trunk step sent
+        (on a trunk with ``submit``) without waiting for its answer. Blocks are finished in the
+        order they were started; a second block may be started first (rounds in flight)."""
         c = self.client
         ids_t = torch.tensor(list(ids), dtype=torch.long, device=c.device)  # [B]
         pos_t = torch.tensor(list(positions), dtype=torch.long, device=c.device)  # [B]
         x = c.embed(ids_t)  # [B, H]
         h = c.head.forward(x, pos_t, parents, keep)  # [B, H]
-        t = h
+        ticket: Any = h
         if self.remote:
             assert self.trunk is not None
             keyed = self.keyed
-            if keyed is None:
-                t = self.trunk.forward(h, pos_t, parents, keep).to(device=c.device, dtype=c.dtype)
-            else:  # a keyed trunk: it sees h @ q and answers in that basis
-                sent = keyed.rotate_in(h)  # [B, H]
-                got = self.trunk.forward(sent, pos_t, parents, keep)
-                t = keyed.rotate_out(got.to(device=c.device, dtype=c.dtype))  # [B, H]
-        return BlockStates(h, t, c.tail.forward(t, pos_t, parents, keep))
+            sent = h if keyed is None else keyed.rotate_in(h)  # [B, H] (a keyed trunk: h @ q)
+            submit = getattr(self.trunk, "submit", None)
+            if submit is not None:
+                ticket = submit(sent, pos_t, parents, keep)
+            else:
+                ticket = self.trunk.forward(sent, pos_t, parents, keep)
+        return InFlight(h, pos_t, parents, keep, ticket)
+
+    @torch.inference_mode()
+    def finish(self, f: InFlight) -> BlockStates:
+        """The trunk's answer to a started block, then the tail layers."""
+        c = self.client
+        t = f.ticket  # [B, H]
+        if self.remote:
+            assert self.trunk is not None
+            collect = getattr(self.trunk, "collect", None)
+            if collect is not None:
+                t = collect(f.ticket)
+            t = t.to(device=c.device, dtype=c.dtype)
+            keyed = self.keyed
+            if keyed is not None:  # a keyed trunk answers in its secret basis
+                t = keyed.rotate_out(t)  # [B, H]
+        return BlockStates(f.head, t, c.tail.forward(t, f.positions, f.parents, f.keep))
 
 
 def load_client(

@@ -86,6 +86,37 @@ def test_bench_writes_results_and_plots(tmp_path: Path, capsys: pytest.CaptureFi
     assert "speculative" in table and "tokens per round trip" in table
 
 
+def test_bench_with_rounds_in_flight_reports_them_beside_the_same_decoder_without(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model"
+    make_model(model, "llama", seed=7)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"id": "a", "category": "drafting", "prompt": "one two three " * 4}) + "\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "out"
+    args = ["bench", "--prompts", str(prompts), "--model", str(model), "--local-layers", "1"]
+    args += ["--rtt-ms", "5", "--max-new-tokens", "12", "--threads", "1", "--kernel-threads"]
+    args += ["1", "--pipeline", "--out", str(out)]
+    rc = main(args)
+    kernels.set_threads(None)
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    (p,) = res["prompts"]
+    assert p["identical"] and p["pipelined"]["token_ids"] == p["sequential"]["token_ids"]
+    pipe = p["pipelined"]
+    assert 0 <= pipe["pipeline_hits"] <= pipe["pipelined_rounds"]
+    assert pipe["tokens_per_round_trip"] == round(len(pipe["token_ids"]) / pipe["round_trips"], 4)
+    s = res["summary"]
+    assert set(s["decode_tok_s"]) == {"sequential", "speculative", "pipelined"}
+    assert s["pipelined"]["rounds_in_flight"] == pipe["pipelined_rounds"]
+    assert s["pipelined"]["bets_won"] == pipe["pipeline_hits"]
+    assert set(res["model_fit"]) == {"sequential", "speculative", "pipelined"}
+    assert "with rounds in flight" in capsys.readouterr().out
+
+
 def test_summary_is_totals_over_prompts() -> None:
     def dec(n: int, rts: int, s: float) -> dict[str, object]:
         return {"token_ids": list(range(n)), "round_trips": rts, "decode_s": s}

@@ -24,7 +24,9 @@ import torch
 import zmq
 import zmq.utils.z85
 
+import engine.speculative as spec
 from engine import protocol as P
+from engine.drafts import DraftTree
 from engine.generate import generate
 from engine.local_server import free_port
 from engine.sampling import SamplingParams
@@ -226,13 +228,57 @@ def reference(folder: Path) -> dict[str, list[int]]:
         client = load_client(str(folder), 1)
         with _connect(srv.address, client) as trunk:
             runner = SplitRunner(client, trunk)
-            return {d: generate(runner, PROMPT, GREEDY, decoder=d).token_ids for d in DECODERS}
+            ref = {d: _generate(runner, d).token_ids for d in DECODERS}
+            ref["pipelined"] = _generate(runner, "pipelined", text=ref["sequential"]).token_ids
+            return ref
     finally:
         srv.stop()
         t.join(30)
 
 
 DECODERS = ("sequential", "speculative")
+# the four clients of _run_four; "pipelined": rounds in flight on every drafted round
+CLIENT_DECODERS = ("sequential", "speculative", "sequential", "pipelined")
+
+
+class _Oracle:
+    """Drafts the next ``len(text) - len(context)`` tokens of ``text`` as one chain (a random
+    model's own context gives the usual drafters nothing to go on): with 4 nodes sent a round,
+    the bet on its outcome is right, and round r+1 always goes while round r is in flight."""
+
+    needs_all_logits = False
+
+    def __init__(self, text: list[int]) -> None:
+        self.text = text
+
+    def propose(self, context: Any, budget: int) -> DraftTree:
+        tree = DraftTree()
+        n = len(context)
+        if list(context) == self.text[:n]:
+            for i, t in enumerate(self.text[n : n + budget]):
+                tree.add(t, i - 1, 0.9)
+        return tree
+
+    def observe(self, verified: Any) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def _generate(runner: SplitRunner, decoder: str, on_text: Any = None, text: Any = None) -> Any:
+    if decoder != "pipelined":
+        return generate(runner, PROMPT, GREEDY, decoder=decoder, on_text=on_text)
+    opts = spec.SpecOptions(fixed_budget=4, pipeline="always")
+    oracle = _Oracle([*PROMPT, *text]) if text is not None else None
+    return spec.generate_speculative(
+        runner,
+        PROMPT,
+        GREEDY,
+        on_text=on_text,
+        options=opts,
+        drafter=oracle,  # type: ignore[arg-type]
+    )
 
 
 def _connect(address: str, client: ClientModel, keys: tuple[str, str] = CLIENT_KEYS) -> RemoteTrunk:
@@ -254,9 +300,9 @@ def _wait(cond: Any, timeout: float, what: str) -> None:
 
 
 def _run_four(
-    gw: Any, folder: Path, at_first_token: Any
+    gw: Any, folder: Path, at_first_token: Any, reference: dict[str, list[int]]
 ) -> tuple[dict[int, list[int]], dict[int, dict[str, Any]], dict[int, int]]:
-    """Four clients generating at once (two per decoder). When every one has its first token
+    """Four clients generating at once (CLIENT_DECODERS). When every one has its first token
     (so all four sessions are open), ``at_first_token(sessions)`` runs, then they go on.
     Returns tokens, json stats and the replica each session was on at that moment."""
     n = 4
@@ -279,7 +325,7 @@ def _run_four(
 
         try:
             runner = SplitRunner(clients[i], trunks[i])
-            res = generate(runner, PROMPT, GREEDY, decoder=DECODERS[i % 2], on_text=on_text)
+            res = _generate(runner, CLIENT_DECODERS[i], on_text, reference["sequential"])
             tokens[i] = res.token_ids
             stats[i] = trunks[i].json_stats()
         except BaseException as exc:
@@ -312,13 +358,15 @@ def test_sessions_spread_over_replicas_and_match_one_server(
     def check(where: dict[int, int]) -> None:
         seen["stats"] = gateway.public_stats()
 
-    tokens, stats, where = _run_four(gateway, folder, check)
+    tokens, stats, where = _run_four(gateway, folder, check, reference)
     assert sorted(where.values()) == [0, 0, 1, 1], where  # two sessions on each replica
     assert seen["stats"]["replica_sessions"] == [2, 2]
     assert seen["stats"]["replica_state"] == ["up", "up"]
     for i in range(4):
-        assert tokens[i] == reference[DECODERS[i % 2]], i
+        assert tokens[i] == reference[CLIENT_DECODERS[i]], i
         assert stats[i]["replays"] == 0
+    assert stats[3]["overlapped_steps"] > 0  # the pipelined client had two steps in flight
+    assert reference["pipelined"] == reference["sequential"]
     # both replicas computed steps; the merged counters are their sum
     st = gateway.public_stats()
     assert all(s > 0 for s in st["replica_steps"]) and st["steps"] == sum(st["replica_steps"])
@@ -419,11 +467,11 @@ def test_killed_replica_costs_its_clients_one_replay_and_comes_back(
         # knows (answered when Ray fails the watch call) or after (answered at once)
         ray.kill(victim.handle, no_restart=False)  # Ray restarts it (max_restarts=-1)
 
-    tokens, stats, where = _run_four(gateway, folder, kill)
+    tokens, stats, where = _run_four(gateway, folder, kill, reference)
     hit = [i for i, r in where.items() if r == 0]
     assert len(hit) == 2
     for i in range(4):
-        assert tokens[i] == reference[DECODERS[i % 2]], i  # the same text, killed or not
+        assert tokens[i] == reference[CLIENT_DECODERS[i]], i  # the same text, killed or not
         if i in hit:
             assert stats[i]["replays"] >= 1 and stats[i]["replayed_steps"] >= 1
         else:

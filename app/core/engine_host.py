@@ -218,7 +218,8 @@ def make_source(mode: str, model: str, invite: str, dtype: str, device: str) -> 
 
 
 class _CountingRunner:
-    """Delegates to a runner and counts its forward calls (= round trips) while generating."""
+    """Delegates to a runner and counts its forward calls and started blocks (= round trips)
+    while generating."""
 
     def __init__(self, runner: SplitRunner) -> None:
         self._runner = runner
@@ -235,6 +236,14 @@ class _CountingRunner:
     def forward_states(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         return self._runner.forward_states(*args, **kwargs)
+
+    def hidden(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self._runner.hidden(*args, **kwargs)
+
+    def start(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self._runner.start(*args, **kwargs)
 
 
 class EngineHost:

@@ -24,6 +24,7 @@ from engine.errors import (
     VeilError,
 )
 from engine.loading import Progress
+from engine.transport.inflight import Ticket, await_first, redo_in_flight, submit_step
 from engine.transport.link import Link
 from engine.transport.policy import (
     PREFILL_CHUNK,
@@ -156,9 +157,12 @@ class RemoteTrunk(Link):
         self._nonce = itertools.count(1)
         self._broken = False  # a step failed mid-way: the server's cache is unknown until reset()
         self._split_prev: tuple[int, int] | None = None  # (rows, rows of last step) if split
+        self._inflight: list[Ticket] = []  # steps sent by submit, not yet answered (in order)
+        self._early: dict[int, P.Result | P.Error] = {}  # their answers that came out of turn
         # stats
         self.round_trips = 0
         self.chained_steps = 0  # steps of long chains sent with others in flight
+        self.overlapped_steps = 0  # decode steps submitted while another was in flight
         self.replays = 0
         self.replayed_steps = 0
         self.reconnects = 0
@@ -418,6 +422,8 @@ class RemoteTrunk(Link):
         """A step failed mid-way: the server's cache state is unknown, so drop the session. The
         next :meth:`forward` must come after :meth:`reset` (a new conversation)."""
         self.journal.clear()
+        self._inflight.clear()
+        self._early.clear()
         if self.session is not None and self.sock is not None:
             with contextlib.suppress(Exception):
                 self._send(P.Close(self.session))
@@ -432,12 +438,13 @@ class RemoteTrunk(Link):
             "sets the limit)",
         )
 
-    def _exchange(self, e: _Entry, want: bool, deadline: float) -> P.Result:
-        """Send step ``self.step_id`` and wait for its result, pinging while waiting."""
+    def _exchange(self, e: _Entry, want: bool, deadline: float, sent: bool = False) -> P.Result:
+        """Send step ``self.step_id`` (unless ``sent``: it went already) and wait for its
+        result, pinging while waiting."""
         assert self.session is not None
         sid, step = self.session, self.step_id
         msg = P.Step(sid, step, e.positions, e.parents, e.keep, self.wire_dtype, e.hidden, want)
-        sent = self._send(msg)
+        sent = sent or self._send(msg)
         now = time.monotonic()
         self._last_heard = now
         last_ping = now
@@ -486,24 +493,30 @@ class RemoteTrunk(Link):
                 raise _Refused(self._error_for(r))
             # anything else (stale results, old pongs) is ignored
 
-    def _step(self, e: _Entry) -> torch.Tensor:
-        """One protocol step with its budget: recover as allowed, else fail once and clearly."""
+    def _step(self, e: _Entry, sent: Ticket | None = None) -> torch.Tensor:
+        """One protocol step with its budget: recover as allowed, else fail once and clearly.
+        ``sent``: the step went already (``submit``, nothing else in flight): only its answer
+        is awaited, with the same recovery."""
         budget = StepBudget(deadline=time.monotonic() + self.step_timeout_s)
         t0 = time.perf_counter()
+        if sent is not None:
+            budget.deadline, t0 = sent.deadline, sent.t0
         try:
             if self.session is None:
                 self._recover(budget, None)  # (the time to reach the server extends the deadline)
+                sent = None
             self.step_id += 1
             self.journal.append(e)
             while True:
                 try:
-                    r = self._exchange(e, True, budget.deadline)
+                    r = self._exchange(e, True, budget.deadline, sent is not None and sent.sent)
                     break
                 except (_SessionLost, _ConnectionLost, _ServerFault) as lost:
                     self.journal.pop()
                     self._recover(budget, lost)  # the same deadline, extended by reach time
                     self.step_id += 1
                     self.journal.append(e)
+                    sent = None
         except _Refused as ref:  # refused before any change: as if never sent
             if self.journal and self.journal[-1] is e:
                 self.journal.pop()
@@ -541,13 +554,14 @@ class RemoteTrunk(Link):
             raise
         return got.outs
 
-    def forward(
+    def _entries(
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        parents: Sequence[int] | None = None,
-        keep: Sequence[int] | None = None,
-    ) -> torch.Tensor:
+        parents: Sequence[int] | None,
+        keep: Sequence[int] | None,
+    ) -> tuple[list[_Entry], int, int]:
+        """A block as protocol steps: (entries, rows, rows of the last entry)."""
         if self.closed:
             raise TransportError("this trunk connection is closed")
         if self._broken:
@@ -572,17 +586,94 @@ class RemoteTrunk(Link):
             )
             for i, rows in enumerate(pieces)
         ]
+        return entries, n, len(pieces[-1])
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        self._drain()
+        entries, n, last = self._entries(hidden, positions, parents, keep)
         outs: list[torch.Tensor] = []
         if len(entries) > 1:
             outs = self._send_chain(entries)  # several steps in flight, as far as that goes
         for e in entries[len(outs) :]:  # the rest (or all) one step at a time
             outs.append(self._step(e))
-        self._split_prev = (n, len(pieces[-1])) if len(pieces) > 1 else None
+        self._split_prev = (n, last) if len(entries) > 1 else None
         return outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, H]
+
+    def submit(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> Ticket:
+        """Send a block as the session's next step and return at once; :meth:`collect` takes
+        its answer. Blocks are collected in the order they were submitted. A block longer than
+        one step (or one after such a block) goes the synchronous way, after any in flight."""
+        entries, _, _ = self._entries(hidden, positions, parents, keep)
+        if len(entries) > 1 or self._split_prev is not None:
+            return Ticket(None, out=self.forward(hidden, positions, parents, keep))
+        try:
+            if self.session is None:  # a new conversation: open its session first
+                self._recover(StepBudget(deadline=time.monotonic() + self.step_timeout_s), None)
+            return submit_step(self, entries[0])
+        except _SessionLost:  # could not be sent: sent again, with the others, when collected
+            return self._inflight[-1]
+        except BaseException:
+            self._abandon()
+            raise
+
+    def collect(self, ticket: Ticket) -> torch.Tensor:
+        """The answer [B, H] of a submitted block (those submitted before it are taken first)."""
+        while ticket.out is None:
+            head = self._inflight[0]
+            assert head.entry is not None
+            if len(self._inflight) == 1 and not self._early:
+                # alone on the wire: the one-step wait, with its own recovery and errors (a
+                # step or a reply lost on the way is sent again on the same session: the
+                # server keeps the last reply for a retry)
+                self._inflight.clear()
+                head.out = self._step(head.entry, head)
+                continue
+            try:
+                try:
+                    head.out = await_first(self)
+                except (_SessionLost, _ConnectionLost, _ServerFault) as lost:
+                    log.info("steps in flight lost, sending them again: %s", lost)
+                    redo_in_flight(self)
+            except _Refused as ref:  # the session holds the steps before it; later ones refused
+                self._drop_in_flight()
+                raise ref.error from None
+            except BaseException:
+                self._abandon()
+                raise
+        return ticket.out
+
+    def _drain(self) -> None:
+        """Take the answers of every step in flight (a synchronous step must come after)."""
+        if self._inflight:
+            self.collect(self._inflight[-1])
+
+    def _drop_in_flight(self) -> None:
+        """Forget the steps in flight; their session is closed (late refusals of its steps
+        must not be read as answers to new ones), the next step reopens one and replays."""
+        if self._inflight and self.session is not None and self.sock is not None:
+            with contextlib.suppress(Exception):
+                self._send(P.Close(self.session))
+            self.session = None
+        self._inflight.clear()
+        self._early.clear()
 
     def reset(self) -> None:
         """Start a new conversation: the next step opens a fresh session, the journal empties."""
         self.journal.clear()
+        self._inflight.clear()
+        self._early.clear()
         if self.session is not None and self.sock is not None:
             self._send(P.Close(self.session))
         self.session = None
@@ -626,6 +717,7 @@ class RemoteTrunk(Link):
             "rtt_ms": round(self.rtt_ms, 3),
             "ping_ms": round(statistics.median(self._ping_ms), 3) if self._ping_ms else None,
             "replays": self.replays,
+            "overlapped_steps": self.overlapped_steps,
             "replayed_steps": self.replayed_steps,
             "server_ms": round(self.server_ms, 3),
             "server_queue_ms": round(self.queue_ms, 3),

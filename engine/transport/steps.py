@@ -68,6 +68,17 @@ class NoAnswer(TransportError):
     """An open got no answer in time (server down, unreachable, or a key mismatch)."""
 
 
+def check_loss(err: P.Error) -> None:
+    """Raise the loss a server error means for steps in flight; return for a refusal of one
+    step (an error that names it)."""
+    if err.code == P.E_UNKNOWN_SESSION:
+        raise SessionLost(err.message)
+    if err.code == P.E_INTERNAL:
+        raise ServerFault(err.message)
+    if err.step is None:  # about no step in particular: start over on a new session
+        raise SessionLost(err.message)
+
+
 @dataclass
 class ChainOutcome:
     """What :func:`send_chain` got: the results of the first ``len(outs)`` entries (each also
@@ -158,12 +169,8 @@ def send_chain(trunk: RemoteTrunk, entries: list[Entry]) -> ChainOutcome:
                 if r.last_step - first + 1 < min(before, limit) and not r.in_flight:
                     raise SessionLost("a step of the prompt was lost on the way")
             elif isinstance(r, P.Error) and r.session in (None, sid):
-                if r.code == P.E_UNKNOWN_SESSION:
-                    raise SessionLost(r.message)
-                if r.code == P.E_INTERNAL:
-                    raise ServerFault(r.message)
-                if r.step is None:  # about no step in particular: start over on a new session
-                    raise SessionLost(r.message)
+                check_loss(r)
+                assert r.step is not None
                 if first + got <= r.step < first + limit:
                     limit = r.step - first  # not accepted, nor anything after it
         return ChainOutcome(done, None, refused=limit < n)
