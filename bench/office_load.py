@@ -10,7 +10,9 @@ falls on all modes alike):
 * ``seq`` — one-token steps (``decoder=sequential``): the baseline speculation must beat;
 * ``old`` — speculative, sized by the client's own rate alone (``SpecOptions(load_aware=False)``,
   the behaviour before the trunk reported its load);
-* ``new`` — speculative, load-aware: rows priced at ``b + peers * row_ms`` (engine/speculative.py).
+* ``new`` — speculative, load-aware: rows priced at ``b + peers * row_ms`` (engine/speculative.py);
+* ``pipe`` — ``new`` with rounds in flight where they pay (``SpecOptions(pipeline="auto")``,
+  engine/spec_pipeline.py: bets priced in the same office seconds).
 
 Each client greedily answers prompts one after another (``--max-new-tokens`` each) until the
 window closes (the generation running then is cancelled; its committed tokens count). Reported
@@ -51,7 +53,7 @@ PROMPTS = [
     "Give four tips for writing clear emails.",
     "What is the difference between a list and a tuple in Python?",
 ]
-MODES = ("seq", "old", "new")
+MODES = ("seq", "old", "new", "pipe")
 
 
 def _keypair() -> tuple[str, str]:
@@ -130,7 +132,7 @@ def _client_main(index: int, conn: Any, model: str, address: str, keys: Any, opt
             break
         _, mode, start_at, seconds = cmd
         forget(runner)
-        tokens = rows = steps = one_token = gens = 0
+        tokens = rows = steps = one_token = gens = ahead = won = 0
         while time.time() < start_at:
             time.sleep(0.001)
         end_at = start_at + seconds
@@ -145,13 +147,17 @@ def _client_main(index: int, conn: Any, model: str, address: str, keys: Any, opt
                 if mode == "seq":
                     res = generate_sequential(runner, p, params, cancel=cancel)
                 else:
-                    o = SpecOptions(load_aware=mode == "new")
+                    o = SpecOptions(
+                        load_aware=mode != "old", pipeline="auto" if mode == "pipe" else "off"
+                    )
                     res = generate_speculative(runner, p, params, cancel=cancel, options=o)
                 st = res.stats
                 tokens += len(res.token_ids)
                 rows += st.tree_nodes_sent
                 steps += max(st.round_trips - 1, 0)
                 one_token += st.one_token_steps
+                ahead += st.pipelined_rounds
+                won += st.pipeline_hits
                 gens += 1
         timer.cancel()
         load = getattr(trunk, "load", None)
@@ -164,6 +170,8 @@ def _client_main(index: int, conn: Any, model: str, address: str, keys: Any, opt
                 "rows": rows,
                 "rows_per_token": rows / tokens if tokens else None,
                 "steps": steps,
+                "rounds_sent_ahead": ahead,
+                "bets_won": won,
                 "one_token_steps": one_token,
                 "generations": gens,
                 "load": None
@@ -186,6 +194,8 @@ def _row(n: int, mode: str, rep: int, per: list[dict[str, Any]]) -> dict[str, An
         "rows_per_token": round(rows / tokens, 3) if tokens else None,
         "one_token_steps": sum(p["one_token_steps"] for p in per),
         "steps": sum(p["steps"] for p in per),
+        "rounds_sent_ahead": sum(p["rounds_sent_ahead"] for p in per),
+        "bets_won": sum(p["bets_won"] for p in per),
         "load_peers": [p["load"]["peers"] if p["load"] else None for p in per],
         "load_row_ms": [p["load"]["row_ms"] if p["load"] else None for p in per],
     }
@@ -212,7 +222,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         statistics.median(x["rows_per_token"] or 0 for x in xs), 3
                     ),
                 }
-        for a, b in (("new", "old"), ("new", "seq"), ("old", "seq")):
+        for a, b in (("new", "old"), ("new", "seq"), ("old", "seq"), ("pipe", "new")):
             rs = [
                 by[(a, k)]["total_tok_s"] / by[(b, k)]["total_tok_s"]
                 for k in reps
@@ -220,7 +230,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ]
             if rs:
                 s[f"{a}/{b}"] = [round(x, 3) for x in rs]
-        for m in ("old", "new"):
+        for m in ("old", "new", "pipe"):
             worst = [
                 min(
                     x / max(statistics.median(by[("seq", k)]["per_client_tok_s"]), 1e-9)
