@@ -596,7 +596,10 @@ class RemoteTrunk(Link):
         keep: Sequence[int] | None = None,
     ) -> torch.Tensor:
         self._drain()
-        entries, n, last = self._entries(hidden, positions, parents, keep)
+        return self._run(*self._entries(hidden, positions, parents, keep))
+
+    def _run(self, entries: list[_Entry], n: int, last: int) -> torch.Tensor:
+        """A block's steps, waiting for each answer (nothing else in flight)."""
         outs: list[torch.Tensor] = []
         if len(entries) > 1:
             outs = self._send_chain(entries)  # several steps in flight, as far as that goes
@@ -614,10 +617,12 @@ class RemoteTrunk(Link):
     ) -> Ticket:
         """Send a block as the session's next step and return at once; :meth:`collect` takes
         its answer. Blocks are collected in the order they were submitted. A block longer than
-        one step (or one after such a block) goes the synchronous way, after any in flight."""
-        entries, _, _ = self._entries(hidden, positions, parents, keep)
-        if len(entries) > 1 or self._split_prev is not None:
-            return Ticket(None, out=self.forward(hidden, positions, parents, keep))
+        one step goes the synchronous way, after any in flight."""
+        entries, n, last = self._entries(hidden, positions, parents, keep)
+        if len(entries) > 1:
+            self._drain()
+            return Ticket(None, out=self._run(entries, n, last))
+        self._split_prev = None  # (its keep was translated already)
         try:
             if self.session is None:  # a new conversation: open its session first
                 self._recover(StepBudget(deadline=time.monotonic() + self.step_timeout_s), None)
