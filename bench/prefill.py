@@ -2,6 +2,7 @@
 
     python bench/prefill.py [--model GGUF] [--lengths 1024,4096,8000] [--threads 2]
                             [--chunks none,256] [--rtt-ms 80] [--repeats 2]
+                            [--server-reads one,256x1,256x3] [--pin]
                             [--out bench-out/prefill.json] [--plot docs/img/prefill.png]
 
 A long prompt (public text: this Python's standard-library docstrings, tokenized with the
@@ -12,7 +13,11 @@ model's tokenizer and cut to each length) is read by:
   activations), as one block and in each ``--chunks`` size (the app reads in 256-row blocks
   to show progress), up to the logits of the last position;
 * Veil through a ``veil-trunk serve`` child on this machine behind the project's WAN proxy
-  (``--rtt-ms``; k = 2): time to the first generated token, which is what a user waits for.
+  (``--rtt-ms``; k = 2): time to the first generated token, which is what a user waits for;
+  the prompt as one block, or as the app reads it (``--server-reads 256x3``: 256-row blocks,
+  three in flight, the client's head layers for one block running while the server works on
+  the one before). ``--pin --threads 1`` puts the server and the client on cores of their own,
+  as on two machines.
 
 Each measurement runs in its own child process, engines interleaved length by length so they
 see the same machine load. Prefill tokens/s = prompt tokens / seconds. Run it under the shared
@@ -72,36 +77,54 @@ def child_veil(model: str, ids: list[int], threads: int, chunk: int | None) -> d
     cfg = load_config(resolve(model).folder)
     client = load_client(model, (cfg.n_layers + 1) // 2, warm_up=True)
     runner = SplitRunner(client, None)
-    read_prompt(lambda b, p: runner.forward(b, p, last_only=True), ids[:300], Prefill(64), None)
+
+    def last(s: Any) -> Any:
+        return client.logits(s.final[-1:])  # [1, V]
+
+    read_prompt(runner, last, ids[:300], Prefill(64), None)
     runner.reset()
     t0 = time.perf_counter()
-    read_prompt(lambda b, p: runner.forward(b, p, last_only=True), ids, Prefill(chunk), None)
+    read_prompt(runner, last, ids, Prefill(chunk), None)
     return {"seconds": time.perf_counter() - t0}
 
 
-def child_remote(model: str, ids: list[int], threads: int, rtt_ms: float) -> dict[str, Any]:
+def child_remote(
+    model: str,
+    ids: list[int],
+    threads: int,
+    rtt_ms: float,
+    chunk: int | None = None,
+    window: int = 1,
+    pin: bool = False,
+) -> dict[str, Any]:
+    import os
+
     import torch
 
-    torch.set_num_threads(threads)
     from engine import kernels
-    from engine.generate import generate
+    from engine.generate import Prefill, generate
     from engine.local_server import start_local_trunk
     from engine.sampling import SamplingParams
     from engine.split import SplitRunner, load_client
 
+    if pin:  # two machines on one: the server child on the last core, this client on the first
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[-1]})
+    torch.set_num_threads(threads)
     kernels.set_threads(threads)
     client = load_client(model, 2, warm_up=True)
     with start_local_trunk(model, min_local_layers=2, rtt_ms=rtt_ms, threads=threads) as srv:
+        if pin:
+            os.sched_setaffinity(0, {cores[0]})
         trunk = srv.connect(client)
         runner = SplitRunner(client, trunk)
-        generate(runner, ids[:300], SamplingParams(max_new_tokens=1))  # warm up both ends
+        prefill = None if chunk is None else Prefill(chunk, window=window)
+        one = SamplingParams(max_new_tokens=1)
+        generate(runner, ids[:300], one, prefill=prefill)  # warm up both ends
         first: list[float] = []
         t0 = time.perf_counter()
         generate(
-            runner,
-            ids,
-            SamplingParams(max_new_tokens=1),
-            on_text=lambda _t: first.append(time.perf_counter()),
+            runner, ids, one, on_text=lambda _t: first.append(time.perf_counter()), prefill=prefill
         )
         t1 = time.perf_counter()
         trunk.close()
@@ -116,7 +139,10 @@ def child_main(spec: str) -> None:
     elif kind == "veil":
         out = child_veil(job["model"], job["ids"], job["threads"], job["chunk"])
     else:
-        out = child_remote(job["model"], job["ids"], job["threads"], job["rtt_ms"])
+        read = job.get("read") or [None, 1]
+        out = child_remote(
+            job["model"], job["ids"], job["threads"], job["rtt_ms"], *read, job.get("pin", False)
+        )
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -147,7 +173,20 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunks", default="none,256", help="Veil block sizes ('none': one block)")
     ap.add_argument("--rtt-ms", type=float, default=80.0, help="0: skip the server run")
+    ap.add_argument(
+        "--server-reads",
+        default="one",
+        help="how the server runs read the prompt: 'one' (one block), or ROWSxWINDOW "
+        "(blocks of ROWS rows, WINDOW of them in flight; the app reads 256x3)",
+    )
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="server runs: the server on the last core, the client on the first (--threads 1 "
+        "gives each its own core, as two machines would)",
+    )
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--skip-llamacpp", action="store_true", help="no llama.cpp rows")
     ap.add_argument("--out", default="bench-out/prefill.json")
     ap.add_argument("--plot", default="", help="also draw prefill tok/s by length to this PNG")
     args = ap.parse_args()
@@ -155,11 +194,14 @@ def main() -> int:
     try:
         import llama_cpp  # noqa: F401
 
-        have_llama = True
+        have_llama = not args.skip_llamacpp
     except ImportError:
         have_llama = False
         print("llama-cpp-python is not importable: llama.cpp rows skipped", file=sys.stderr)
     chunks = [None if c == "none" else int(c) for c in args.chunks.split(",") if c]
+    reads = [
+        None if r == "one" else [int(x) for x in r.split("x")] for r in args.server_reads.split(",")
+    ]
     rows: list[dict[str, Any]] = []
     for n in [int(x) for x in args.lengths.split(",")]:
         ids = prompt_ids(model, n)
@@ -169,13 +211,18 @@ def main() -> int:
                 jobs.append({"kind": "llamacpp"})
             jobs += [{"kind": "veil", "chunk": c} for c in chunks]
             if args.rtt_ms > 0:
-                jobs.append({"kind": "remote", "rtt_ms": args.rtt_ms})
+                jobs += [
+                    {"kind": "remote", "rtt_ms": args.rtt_ms, "read": r, "pin": args.pin}
+                    for r in reads
+                ]
             for job in jobs:
                 job.update(model=model, ids=ids, threads=args.threads)
                 res = run_child(job)
                 if res is None:
                     continue
                 name = job["kind"] + (f" chunk {job.get('chunk')}" if job["kind"] == "veil" else "")
+                if job.get("read"):
+                    name += " {}x{}".format(*job["read"])
                 row = {"engine": name, "tokens": n, "repeat": rep, "seconds": res["seconds"]}
                 row["tok_s"] = n / res["seconds"]
                 rows.append(row)
@@ -202,8 +249,8 @@ def plot(rows: list[dict[str, Any]], path: Path, threads: int, rtt_ms: float) ->
         return
     labels = {
         "llamacpp": "llama.cpp (llama-cpp-python)",
-        "veil chunk None": "Veil fully local, the whole prompt (as the app reads it)",
-        "veil chunk 256": "Veil fully local, 256-row blocks",
+        "veil chunk None": "Veil fully local, the whole prompt as one block",
+        "veil chunk 256": "Veil fully local, 256-row blocks (as the app reads it)",
         "remote": f"Veil through a server, {rtt_ms:g} ms RTT (to first token)",
     }
     fig, ax = plt.subplots(figsize=(7, 4.2))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
@@ -19,7 +20,7 @@ import torch
 from engine.detok import StreamingDetokenizer
 from engine.errors import GenerationError
 from engine.sampling import SamplingParams, pick
-from engine.split import SplitRunner
+from engine.split import BlockStates, InFlight, SplitRunner
 
 TextCallback = Callable[[str], None]
 PrefillCallback = Callable[[int, int], None]  # (prompt rows read so far, rows in the prompt)
@@ -177,10 +178,15 @@ class Prefill:
     the same computation (as the transport's chunked steps, ``engine.transport.policy``; the
     float sums may round differently in the last bits). Between blocks ``on_progress(done,
     total)`` is called and the cancel token is checked, so a long prompt shows how far it is
-    and can be stopped."""
+    and can be stopped.
+
+    Through a trunk server up to ``window`` blocks are in flight (:func:`read_prompt`): the
+    client's head layers for block c+1 run while the trunk works on block c, and block c's
+    tail layers while the trunk works on c+1. ``window=1`` waits for each block in turn."""
 
     chunk: int | None = None
     on_progress: PrefillCallback | None = None
+    window: int = 3  # prompt blocks in flight (the server queues 4 steps of a session)
 
     def pieces(self, n: int) -> list[range]:
         """Row ranges of a prompt of ``n`` tokens, one per block."""
@@ -191,23 +197,44 @@ class Prefill:
 
 
 def read_prompt(
-    run: Callable[[list[int], range], T],
+    runner: SplitRunner,
+    read: Callable[[BlockStates], T],
     prompt_ids: Sequence[int],
     prefill: Prefill | None,
     cancel: CancelToken | None,
 ) -> list[T] | None:
-    """``run(ids, positions)`` over the prompt's blocks (see :class:`Prefill`); the outputs in
-    order, or None when cancelled between two blocks."""
+    """The prompt through the split in blocks (see :class:`Prefill`): ``read(states)`` of
+    each block, in order, or None when cancelled between two blocks.
+
+    Through a trunk server blocks are pipelined: block c+1 is started (its head layers run and
+    its step is sent) before block c is finished (its trunk answer taken and its tail layers
+    run), up to ``window`` blocks in flight. Every layer stack still sees the blocks in order,
+    each attending to exactly its prefix, so the rows are those of reading them one by one."""
     pf = prefill or Prefill()
+    if pf.window < 1:
+        raise GenerationError("the prefill window must be at least 1 block")
     ids = list(prompt_ids)
+    # only a trunk behind a link has anything to overlap (one in this process answers at once)
+    window = pf.window if runner.remote and getattr(runner.trunk, "pipelines", False) else 1
     outs: list[T] = []
-    pieces = pf.pieces(len(ids))
-    for i, rows in enumerate(pieces):
-        if i and cancel is not None and cancel.cancelled:
-            return None
-        outs.append(run(ids[rows.start : rows.stop], rows))
+    flight: deque[tuple[int, InFlight]] = deque()
+
+    def land() -> None:
+        stop, f = flight.popleft()
+        outs.append(read(runner.finish(f)))
         if pf.on_progress is not None:
-            pf.on_progress(rows.stop, len(ids))
+            pf.on_progress(stop, len(ids))
+
+    for i, rows in enumerate(pf.pieces(len(ids))):
+        if i and cancel is not None and cancel.cancelled:
+            while flight:  # the blocks already sent are finished: the caches stay whole
+                land()
+            return None
+        flight.append((rows.stop, runner.start(ids[rows.start : rows.stop], rows)))
+        while len(flight) >= window:
+            land()
+    while flight:
+        land()
     return outs
 
 
@@ -267,9 +294,7 @@ def generate_sequential(
     st = start_generation(runner, prompt_ids, params, on_text)
     out, gen, stats, limit = st.out, st.generator, st.stats, st.limit
     ids = list(prompt_ids)
-    blocks = read_prompt(
-        lambda b, pos: runner.forward(b, pos, last_only=True), ids, prefill, cancel
-    )
+    blocks = read_prompt(runner, lambda s: runner.client.logits(s.final[-1:]), ids, prefill, cancel)
     if blocks is None:
         return cancelled_early(stats)
     logits = blocks[-1]  # [1, V]

@@ -222,7 +222,11 @@ def generate_speculative(
     ctx = list(prompt_ids)
     t_prompt = time.perf_counter()
     blocks = read_prompt(
-        lambda b, pos: _verify_hidden(runner, b, pos, None, None, taps), ctx, prefill, cancel
+        runner,
+        lambda s: (s.final, s.features() if taps is not None else None),
+        ctx,
+        prefill,
+        cancel,
     )
     if blocks is None:
         return cancelled_early(stats)
@@ -583,23 +587,6 @@ def _joined(
         return blocks[0]
     feats = [f for _, f in blocks if f is not None]
     return torch.cat([lg for lg, _ in blocks]), torch.cat(feats) if feats else None
-
-
-def _verify_hidden(
-    runner: SplitRunner,
-    ids: Sequence[int],
-    positions: Sequence[int],
-    parents: Sequence[int] | None,
-    keep: Sequence[int] | None,
-    taps: tuple[int, int, int] | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One trunk round trip for the prompt: the final hidden states [B, H] (the LM head runs
-    on the rows needed), and the features [B, 3H] a learned head reads (when ``taps`` says it
-    reads them)."""
-    if taps is None:
-        return runner.hidden(ids, positions, parents, keep), None
-    states = runner.forward_states(ids, positions, parents, keep)
-    return states.final, states.features()
 
 
 DECODERS["speculative"] = generate_speculative

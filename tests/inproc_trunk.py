@@ -3,15 +3,21 @@ fixed keypairs: no child process to start, nothing random about the keys."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import pytest
 import zmq
 import zmq.utils.z85
 
 from engine.local_server import free_port
+from engine.split import ClientModel
+from engine.transport import RemoteTrunk, connect_trunk, inflight
+from engine.transport import remote as remote_transport
 from remote.server import ServerOptions, TrunkServer
 
 
@@ -47,3 +53,38 @@ def trunk_in_thread(
     finally:
         srv.stop()
         t.join(15)
+
+
+@contextmanager
+def connect_without_eos(srv: TrunkServer, client: ClientModel) -> Iterator[RemoteTrunk]:
+    """A connection to ``srv`` with the fixed client keys, then no EOS on the client (random-
+    weight outputs run long; the handshake checks the model's config, so it changes after)."""
+    cfg = client.config
+    with connect_trunk(
+        srv.address,
+        client,
+        server_key=SERVER_KEYS[0],
+        client_keys=CLIENT_KEYS,
+        heartbeat_s=0.2,
+        wire_dtype="float32",
+    ) as trunk:
+        client.config = dataclasses.replace(cfg, eos_token_ids=())
+        try:
+            yield trunk
+        finally:
+            client.config = cfg
+
+
+def record_overlapped(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """From now on, the step ids the client sends while an earlier step's answer is out."""
+    ids: set[int] = set()
+    real = inflight.submit_step
+
+    def submit(trunk: RemoteTrunk, e: Any) -> inflight.Ticket:
+        t = real(trunk, e)
+        if not t.alone:
+            ids.add(t.step)
+        return t
+
+    monkeypatch.setattr(remote_transport, "submit_step", submit)
+    return ids

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,9 @@ from engine.generate import GenerationStats, available_decoders, generate_sequen
 from engine.sampling import SamplingParams
 from engine.spec_pipeline import plan_ahead, settle
 from engine.split import ClientModel, SplitRunner, load_client, load_trunk
-from engine.transport import RemoteTrunk, connect_trunk, inflight
-from engine.transport import remote as remote_transport
+from engine.transport import RemoteTrunk
 from remote.server import TrunkServer
-from tests.inproc_trunk import CLIENT_KEYS, SERVER_KEYS, trunk_in_thread
+from tests.inproc_trunk import connect_without_eos, record_overlapped, trunk_in_thread
 from tests.tiny import make_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
@@ -238,50 +236,20 @@ def client(folder: Path) -> ClientModel:
     return load_client(str(folder), 1)
 
 
-@contextmanager
-def _connect(srv: TrunkServer, client: ClientModel) -> Iterator[RemoteTrunk]:
-    """A connection, then no EOS on the client (random-weight outputs run long; the handshake
-    checks the model's config, so it is changed after it)."""
-    cfg = client.config
-    with connect_trunk(
-        srv.address,
-        client,
-        server_key=SERVER_KEYS[0],
-        client_keys=CLIENT_KEYS,
-        heartbeat_s=0.2,
-        wire_dtype="float32",
-    ) as trunk:
-        client.config = dataclasses.replace(cfg, eos_token_ids=())
-        try:
-            yield trunk
-        finally:
-            client.config = cfg
-
-
 PROMPT = [7, 8, 9] * 6
 PARAMS = SamplingParams(max_new_tokens=40)
 
 
 @pytest.fixture(scope="module")
 def reference(server: TrunkServer, client: ClientModel) -> list[int]:
-    with _connect(server, client) as trunk:
+    with connect_without_eos(server, client) as trunk:
         return generate_sequential(SplitRunner(client, trunk), PROMPT, PARAMS).token_ids
 
 
 @pytest.fixture
 def overlapped(monkeypatch: pytest.MonkeyPatch) -> set[int]:
     """Step ids the client sent while an earlier step's answer was still out."""
-    ids: set[int] = set()
-
-    def submit(trunk: RemoteTrunk, e: Any) -> inflight.Ticket:
-        t = real(trunk, e)
-        if not t.alone:
-            ids.add(t.step)
-        return t
-
-    real = inflight.submit_step
-    monkeypatch.setattr(remote_transport, "submit_step", submit)
-    return ids
+    return record_overlapped(monkeypatch)
 
 
 def _pipelined(trunk: RemoteTrunk, client: ClientModel) -> spec.GenerationResult:
@@ -295,7 +263,7 @@ def _pipelined(trunk: RemoteTrunk, client: ClientModel) -> spec.GenerationResult
 def test_two_steps_in_flight_over_the_server(
     server: TrunkServer, client: ClientModel, reference: list[int]
 ) -> None:
-    with _connect(server, client) as trunk:
+    with connect_without_eos(server, client) as trunk:
         got = _pipelined(trunk, client)
         assert got.token_ids == reference
         _blocks_add_up(got.stats)
@@ -337,7 +305,7 @@ def test_a_session_lost_with_steps_in_flight_is_replayed(
         return real(self, s, m, *a)
 
     monkeypatch.setattr(TrunkServer, "_step_problem", problem)
-    with _connect(server, client) as trunk:
+    with connect_without_eos(server, client) as trunk:
         got = _pipelined(trunk, client)
         assert got.token_ids == reference
         assert trunk.replays == 1
@@ -366,7 +334,7 @@ def test_a_refused_step_in_flight_is_the_callers_error_and_the_next_reply_works(
         return real(self, s, m, *a)
 
     monkeypatch.setattr(TrunkServer, "_step_problem", problem)
-    with _connect(server, client) as trunk:
+    with connect_without_eos(server, client) as trunk:
         with pytest.raises(ServerBusy):
             _pipelined(trunk, client)
         assert not trunk._inflight

@@ -76,6 +76,8 @@ def _key_mismatch(address: str, mine: str | None, theirs: str | None) -> VeilErr
 class RemoteTrunk(Link):
     """Trunk layers [start, end) on a remote server."""
 
+    pipelines = True  # several steps may be in flight (submit/collect): prompts read pipelined
+
     def __init__(
         self,
         address: str,
