@@ -23,8 +23,8 @@ from PySide6.QtCore import QEventLoop, QPoint, QTimer
 from PySide6.QtGui import QColor, QPainter, QPixmap, QTextCursor
 from PySide6.QtWidgets import QApplication, QMessageBox, QWidget
 
-from app.core.engine_host import DemoServerSource
 from app.core.settings import MODE_DEMO
+from app.core.trunk_sources import DemoServerSource
 from app.smoke import DOC_TEXT, DOC_TITLE, SELECT
 from engine.loading import DEFAULT_MODEL
 

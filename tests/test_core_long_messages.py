@@ -13,6 +13,7 @@ from app.core.controller import AppController
 from app.core.demo_model import is_demo_model
 from app.core.long_message import (
     LARGE_SHARE,
+    READ_CHUNK,
     ReadingClock,
     check_length,
     cut_question,
@@ -24,7 +25,7 @@ from app.core.long_message import (
 from app.core.settings import MODE_IN_PROCESS, Settings
 from app.core.tasks import InlineExecutor
 from engine.chat import prompt_ids
-from engine.generate import generate
+from engine.generate import CancelToken, generate
 from engine.loading import DEFAULT_MODEL
 from engine.sampling import SamplingParams
 from engine.session import RunnerOptions, open_runner
@@ -278,3 +279,39 @@ def test_demo_model_is_recognised() -> None:
     assert is_demo_model("/models/x.gguf", DEFAULT_MODEL)
     assert not is_demo_model("/models/llama-3-8b.gguf", "llama-3-8b")
     assert not is_demo_model("/models/llama-3-8b.gguf")
+
+
+@pytest.mark.parametrize("decoder", ["sequential", "speculative"])
+def test_replies_without_a_progress_bar_still_read_in_blocks_and_stop_between_them(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, decoder: str
+) -> None:
+    """The drafting pane, summaries and the local API ask for a reply without a progress bar:
+    the host still reads their prompt in READ_CHUNK blocks, so a Stop is heard after the first
+    block (and through a server the blocks overlap the trunk's work)."""
+    app = make_app(tiny, tmp_path)
+    host = app.host
+    runner = host.ensure_ready_blocking()
+    cancel = CancelToken()
+    started: list[int] = []
+    real = type(runner).start
+
+    def start(self: Any, ids: list[int], positions: Any, *a: Any) -> Any:
+        if positions[0] == 0 and not a:  # the prompt's first block: Stop pressed meanwhile
+            cancel.cancel()
+        started.append(len(ids))
+        return real(self, ids, positions, *a)
+
+    monkeypatch.setattr(type(runner), "start", start)
+    ids = [(7 * i + 3) % 50 + 4 for i in range(READ_CHUNK + 44)]  # two blocks
+    params = SamplingParams(max_new_tokens=4)
+    got = host.generate_blocking(
+        ids, params, on_text=lambda _t: None, cancel=cancel, decoder=decoder
+    )
+    assert got.finish_reason == "cancelled" and got.token_ids == []
+    assert started == [READ_CHUNK]  # the second block was never started
+    started.clear()
+    whole = host.generate_blocking(
+        ids, params, on_text=lambda _t: None, cancel=CancelToken(), decoder=decoder
+    )
+    assert started[:2] == [READ_CHUNK, 44]
+    assert whole.finish_reason != "cancelled" and whole.token_ids

@@ -19,8 +19,9 @@ from PySide6.QtGui import QTextCursor
 from PySide6.QtWidgets import QApplication
 
 from app.core.chat import regenerate_params
-from app.core.engine_host import CONNECTED, OFFLINE, DemoServerSource
+from app.core.engine_host import CONNECTED, OFFLINE
 from app.core.settings import MODE_DEMO
+from app.core.trunk_sources import DemoServerSource
 from app.main_window import MainWindow, create, parse_args
 from engine.chat import prompt_ids
 from engine.generate import generate

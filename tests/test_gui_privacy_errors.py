@@ -24,8 +24,9 @@ from PySide6.QtWidgets import (
     QLabel,
 )
 
-from app.core.engine_host import CONNECTED, OFFLINE, DemoServerSource
+from app.core.engine_host import CONNECTED, OFFLINE
 from app.core.settings import MODE_DEMO
+from app.core.trunk_sources import DemoServerSource
 from tests.gui_support import GOOD_INVITE, demo_window, local_window
 from tests.test_gui_app import (  # noqa: F401
     FAST,

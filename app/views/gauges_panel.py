@@ -11,8 +11,9 @@ from PySide6.QtGui import QColor, QPainter, QPainterPath, QPaintEvent, QPen
 from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.core.controller import AppController
-from app.core.engine_host import CONNECTED, LOCAL, NEEDS_SETUP, OFFLINE, RESTARTING
+from app.core.engine_host import CONNECTED, LOCAL, NEEDS_SETUP, OFFLINE
 from app.core.gauges import MEMORY_NOTE, MEMORY_NOTES, GaugeState, human_bytes, process_memory_bytes
+from app.core.trunk_sources import RESTARTING
 from app.views.theme import Theme, set_icon
 
 

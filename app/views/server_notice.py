@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from app.core.engine_host import RESTARTED, RESTARTING
+from app.core.trunk_sources import RESTARTED, RESTARTING
 
 if TYPE_CHECKING:
     from app.main_window import MainWindow
