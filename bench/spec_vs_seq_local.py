@@ -3,8 +3,10 @@
     python bench/spec_vs_seq_local.py [--model SPEC] [--prompts FILE.jsonl] [--n 8]
                                       [--max-new-tokens 96] [--heads auto,none]
                                       [--exact-float] [--repeats 1] [--out FILE.json]
+                                      [--server-rtt-ms MS]
 
-One process, one loaded model (k = half the layers: fully local), greedy. For every head choice
+One process, one loaded model (k = half the layers: fully local; with ``--server-rtt-ms`` k = 2
+and the trunk in a ``veil-trunk serve`` child behind the WAN proxy), greedy. For every head choice
 (``auto``: the head shipped for the model, if any; ``none``: the suffix/n-gram drafters alone;
 or a head file) and every prompt, the sequential and the speculative decoder run back to back,
 their order alternating from prompt to prompt so both see the same machine load. Reports each
@@ -67,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exact-float", action="store_true")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="")
+    ap.add_argument(
+        "--server-rtt-ms",
+        type=float,
+        default=None,
+        help="through a veil-trunk child on this machine behind the WAN proxy at this RTT "
+        "(k = 2) instead of fully local",
+    )
     a = ap.parse_args(argv)
     if a.exact_float:
         import os
@@ -75,7 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [json.loads(x) for x in Path(a.prompts).read_text().splitlines() if x.strip()]
     prompts = prompts[: a.n]
     n_layers = load_config(resolve(a.model).folder).n_layers
-    runner = open_runner(RunnerOptions(model=a.model, local_layers=n_layers // 2), None)
+    srv = None
+    if a.server_rtt_ms is None:
+        runner = open_runner(RunnerOptions(model=a.model, local_layers=n_layers // 2), None)
+    else:
+        from engine.local_server import start_local_trunk
+        from engine.split import SplitRunner, load_client
+
+        client = load_client(a.model, 2, warm_up=True)
+        srv = start_local_trunk(a.model, min_local_layers=2, rtt_ms=a.server_rtt_ms)
+        runner = SplitRunner(client, srv.connect(client))
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
     report: dict[str, Any] = {
         "model": a.model,
@@ -84,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": a.max_new_tokens,
         "exact_float": a.exact_float,
         "repeats": a.repeats,
+        "server_rtt_ms": a.server_rtt_ms,
         "runs": [],
     }
     # warm-up: kernels compiled, caches touched, before anything is timed
@@ -142,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if runner.trunk is not None:
         runner.trunk.close()
+    if srv is not None:
+        srv.stop()
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
     return 0
