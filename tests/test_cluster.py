@@ -27,7 +27,7 @@ import zmq.utils.z85
 import engine.speculative as spec
 from engine import protocol as P
 from engine.drafts import DraftTree
-from engine.generate import generate
+from engine.generate import Prefill, generate
 from engine.local_server import free_port
 from engine.sampling import SamplingParams
 from engine.split import ClientModel, SplitRunner, load_client
@@ -230,6 +230,7 @@ def reference(folder: Path) -> dict[str, list[int]]:
             runner = SplitRunner(client, trunk)
             ref = {d: _generate(runner, d).token_ids for d in DECODERS}
             ref["pipelined"] = _generate(runner, "pipelined", text=ref["sequential"]).token_ids
+            ref["blocks"] = _generate(runner, "blocks").token_ids
             return ref
     finally:
         srv.stop()
@@ -237,8 +238,9 @@ def reference(folder: Path) -> dict[str, list[int]]:
 
 
 DECODERS = ("sequential", "speculative")
-# the four clients of _run_four; "pipelined": rounds in flight on every drafted round
-CLIENT_DECODERS = ("sequential", "speculative", "sequential", "pipelined")
+# the four clients of _run_four; "pipelined": rounds in flight on every drafted round;
+# "blocks": sequential, the prompt read in 3-row blocks, several in flight (as the app reads)
+CLIENT_DECODERS = ("sequential", "speculative", "blocks", "pipelined")
 
 
 class _Oracle:
@@ -267,6 +269,9 @@ class _Oracle:
 
 
 def _generate(runner: SplitRunner, decoder: str, on_text: Any = None, text: Any = None) -> Any:
+    if decoder == "blocks":
+        pf = Prefill(3)
+        return generate(runner, PROMPT, GREEDY, decoder="sequential", on_text=on_text, prefill=pf)
     if decoder != "pipelined":
         return generate(runner, PROMPT, GREEDY, decoder=decoder, on_text=on_text)
     opts = spec.SpecOptions(fixed_budget=4, pipeline="always")
@@ -366,6 +371,7 @@ def test_sessions_spread_over_replicas_and_match_one_server(
         assert tokens[i] == reference[CLIENT_DECODERS[i]], i
         assert stats[i]["replays"] == 0
     assert stats[3]["overlapped_steps"] > 0  # the pipelined client had two steps in flight
+    assert stats[2]["overlapped_steps"] >= 2  # and the blocks of a prompt went 3 at a time
     assert reference["pipelined"] == reference["sequential"]
     # both replicas computed steps; the merged counters are their sum
     st = gateway.public_stats()
