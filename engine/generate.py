@@ -227,8 +227,8 @@ def read_prompt(
 
     for i, rows in enumerate(pf.pieces(len(ids))):
         if i and cancel is not None and cancel.cancelled:
-            while flight:  # the blocks already sent are finished: the caches stay whole
-                land()
+            if flight:  # a Stop is not kept waiting for the blocks in flight: they are dropped,
+                runner.reset()  # and with them the caches that hold part of them
             return None
         flight.append((rows.stop, runner.start(ids[rows.start : rows.stop], rows)))
         while len(flight) >= window:

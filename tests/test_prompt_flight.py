@@ -95,6 +95,24 @@ def test_decoders_read_the_prompt_in_flight_and_give_the_same_tokens(
         assert seq.stats.round_trips == ref.stats.round_trips  # a block is one round trip
 
 
+def test_a_stop_with_blocks_in_flight_drops_them_and_the_next_reply_is_exact(
+    server: TrunkServer, client: ClientModel, overlapped: set[int]
+) -> None:
+    with connect_without_eos(server, client) as trunk:
+        runner = SplitRunner(client, trunk)
+        ref = generate_sequential(runner, PROMPT, PARAMS, prefill=Prefill(8, window=1))
+        cancel = CancelToken()
+        stop = Prefill(8, on_progress=lambda d, n: cancel.cancel())
+        got = generate_sequential(runner, PROMPT, PARAMS, cancel=cancel, prefill=stop)
+        assert got.finish_reason == "cancelled" and got.token_ids == []
+        assert overlapped and not trunk._inflight and trunk.session is None  # dropped, closed
+        # the dropped session's late answers are not mistaken for the next reply's
+        assert generate_sequential(runner, PROMPT, PARAMS, prefill=Prefill(8)).token_ids == (
+            ref.token_ids
+        )
+        assert trunk.json_stats()["replays"] == 0
+
+
 @pytest.mark.parametrize("lost_at", [1, 3, 5])
 def test_a_session_lost_with_prompt_blocks_in_flight_is_replayed(
     server: TrunkServer,
@@ -174,8 +192,11 @@ def test_block_order_progress_and_cancel(folder: Path) -> None:
     cancel = CancelToken()
     stop = Prefill(8, on_progress=lambda d, n: cancel.cancel(), window=3)
     assert read_prompt(spy, lambda s: s.final, PROMPT, stop, cancel) is None  # type: ignore[arg-type]
-    # cancelled after the first block landed: the two in flight are finished, no more sent
-    assert spy.log == ["s0", "s8", "s16", "f0", "f8", "f16"]
+    # Stop pressed when the first block landed: no block is sent or waited for after it
+    assert spy.log == ["s0", "s8", "s16", "f0"]
+    # the two blocks dropped in flight left no trace: the caches were reset with them
+    again = read_prompt(spy, lambda s: s.final, PROMPT, Prefill(8, window=3), None)  # type: ignore[arg-type]
+    assert again is not None and torch.equal(torch.cat(again), _rows(_local(folder, 1), 8, 3))
 
     spy.log.clear()
     read_prompt(spy, lambda s: s.final, PROMPT, Prefill(16, window=1), None)  # type: ignore[arg-type]
