@@ -9,11 +9,12 @@ import sys
 import time
 from typing import Any
 
+from app.core.long_message import READ_CHUNK, shows_reading
 from app.progress import CliProgress
 from engine import kernels
 from engine.chat import messages_for, prompt_ids
 from engine.errors import GenerationError
-from engine.generate import CancelToken, available_decoders, generate
+from engine.generate import CancelToken, Prefill, available_decoders, generate
 from engine.loading import DEFAULT_MODEL
 from engine.sampling import SamplingParams
 from engine.session import RunnerOptions, open_runner
@@ -229,6 +230,13 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     cancel = CancelToken()
+    reading = CliProgress(enabled=shows_reading(len(ids)))  # a long prompt: a bar on stderr
+
+    def read(done: int, total: int) -> None:
+        reading("reading the prompt", done / total)
+        if done == total:
+            reading.close()
+
     try:
         res = generate(
             runner,
@@ -237,8 +245,11 @@ def run(args: argparse.Namespace) -> int:
             decoder=args.decoder,
             on_text=None if args.json else stream,
             cancel=cancel,
+            # read in blocks as the app reads: through a server several travel at once
+            prefill=Prefill(chunk=READ_CHUNK, on_progress=read),
         )
     finally:
+        reading.close()
         if runner.trunk is not None:
             runner.trunk.close()
     if not args.json:

@@ -5,6 +5,7 @@ between blocks, and a session lost with prompt blocks in flight is replayed."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -213,3 +214,35 @@ def test_without_a_link_blocks_are_read_one_by_one(folder: Path, k: int) -> None
     assert spy.remote == (k == 1)
     read_prompt(spy, lambda s: s.final, PROMPT, Prefill(16), None)  # type: ignore[arg-type]
     assert spy.log == ["s0", "f0", "s16", "f16", "s32", "f32"]
+
+
+def test_veil_generate_reads_a_long_prompt_in_blocks_with_a_progress_line(
+    folder: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`veil generate` reads as the app does: a prompt longer than one block is read in
+    READ_CHUNK blocks (through a server several in flight), with a progress line on stderr."""
+    from app.cli import main as veil
+    from app.core.long_message import READ_CHUNK
+
+    started: list[int] = []
+    real = SplitRunner.start
+
+    def start(self: SplitRunner, ids: Any, positions: Any, *a: Any) -> Any:
+        started.append(len(ids))
+        return real(self, ids, positions, *a)
+
+    monkeypatch.setattr(SplitRunner, "start", start)
+    words = " ".join(["the"] * (READ_CHUNK + 40))  # more tokens than one block holds
+    argv = ["generate", "--model", str(folder), "--local-layers", "2", "--decoder", "sequential"]
+    assert veil([*argv, "--prompt", words, "--max-new-tokens", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    prompt = json.loads(out.out)["prompt_tokens"]
+    assert prompt > READ_CHUNK and started[: -(-prompt // READ_CHUNK)] == [
+        *[READ_CHUNK] * (prompt // READ_CHUNK),
+        *([prompt % READ_CHUNK] if prompt % READ_CHUNK else []),
+    ]
+    assert "veil: reading the prompt..." in out.err  # (not a terminal: one line per stage)
+    started.clear()
+    assert veil([*argv, "--prompt", "hi", "--max-new-tokens", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "reading the prompt" not in out.err  # one block: nothing to show
