@@ -225,15 +225,22 @@ def read_prompt(
         if pf.on_progress is not None:
             pf.on_progress(stop, len(ids))
 
+    def stopped() -> bool:
+        if cancel is None or not cancel.cancelled:
+            return False
+        if flight:  # a Stop is not kept waiting for the blocks in flight: they are dropped,
+            runner.reset()  # and with them the caches that hold part of them
+        return True
+
     for i, rows in enumerate(pf.pieces(len(ids))):
-        if i and cancel is not None and cancel.cancelled:
-            if flight:  # a Stop is not kept waiting for the blocks in flight: they are dropped,
-                runner.reset()  # and with them the caches that hold part of them
+        if i and stopped():
             return None
         flight.append((rows.stop, runner.start(ids[rows.start : rows.stop], rows)))
         while len(flight) >= window:
             land()
-    while flight:
+    while flight:  # the last blocks (a Stop is heard between them too)
+        if stopped():
+            return None
         land()
     return outs
 

@@ -200,6 +200,12 @@ def test_block_order_progress_and_cancel(folder: Path) -> None:
     assert again is not None and torch.equal(torch.cat(again), _rows(_local(folder, 1), 8, 3))
 
     spy.log.clear()
+    cancel = CancelToken()  # Stop while the last blocks are taken: the rest are dropped too
+    last = Prefill(16, on_progress=lambda d, n: cancel.cancel(), window=3)
+    assert read_prompt(spy, lambda s: s.final, PROMPT, last, cancel) is None  # type: ignore[arg-type]
+    assert spy.log == ["s0", "s16", "s32", "f0"]
+
+    spy.log.clear()
     read_prompt(spy, lambda s: s.final, PROMPT, Prefill(16, window=1), None)  # type: ignore[arg-type]
     assert spy.log == ["s0", "f0", "s16", "f16", "s32", "f32"]
     with pytest.raises(GenerationError, match="window"):
