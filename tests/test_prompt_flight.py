@@ -59,9 +59,15 @@ def overlapped(monkeypatch: pytest.MonkeyPatch) -> set[int]:
     return record_overlapped(monkeypatch)
 
 
+def _finals(runner: Any, prefill: Prefill, cancel: CancelToken | None = None) -> Any:
+    """PROMPT read by ``runner`` (a runner or a spy on one): each block's final rows, or None
+    when stopped."""
+    return read_prompt(runner, lambda s: s.final, PROMPT, prefill, cancel)
+
+
 def _rows(runner: SplitRunner, chunk: int, window: int) -> torch.Tensor:
     runner.reset()
-    blocks = read_prompt(runner, lambda s: s.final, PROMPT, Prefill(chunk, window=window), None)
+    blocks = _finals(runner, Prefill(chunk, window=window))
     assert blocks is not None and len(blocks) == -(-len(PROMPT) // chunk)
     return torch.cat(blocks)  # [L, H]
 
@@ -184,7 +190,7 @@ def test_block_order_progress_and_cancel(folder: Path) -> None:
     spy = _Spy(_local(folder, 1))
     done: list[tuple[int, int]] = []
     prefill = Prefill(16, on_progress=lambda d, n: done.append((d, n)), window=3)
-    assert read_prompt(spy, lambda s: s.final, PROMPT, prefill, None) is not None  # type: ignore[arg-type]
+    assert _finals(spy, prefill) is not None
     # block c+1 (and c+2) started before block c is finished; each stack sees blocks in order
     assert spy.log == ["s0", "s16", "s32", "f0", "f16", "f32"]
     assert done == [(16, 45), (32, 45), (45, 45)]
@@ -192,24 +198,24 @@ def test_block_order_progress_and_cancel(folder: Path) -> None:
     spy.log.clear()
     cancel = CancelToken()
     stop = Prefill(8, on_progress=lambda d, n: cancel.cancel(), window=3)
-    assert read_prompt(spy, lambda s: s.final, PROMPT, stop, cancel) is None  # type: ignore[arg-type]
+    assert _finals(spy, stop, cancel) is None
     # Stop pressed when the first block landed: no block is sent or waited for after it
     assert spy.log == ["s0", "s8", "s16", "f0"]
     # the two blocks dropped in flight left no trace: the caches were reset with them
-    again = read_prompt(spy, lambda s: s.final, PROMPT, Prefill(8, window=3), None)  # type: ignore[arg-type]
+    again = _finals(spy, Prefill(8, window=3))
     assert again is not None and torch.equal(torch.cat(again), _rows(_local(folder, 1), 8, 3))
 
     spy.log.clear()
     cancel = CancelToken()  # Stop while the last blocks are taken: the rest are dropped too
     last = Prefill(16, on_progress=lambda d, n: cancel.cancel(), window=3)
-    assert read_prompt(spy, lambda s: s.final, PROMPT, last, cancel) is None  # type: ignore[arg-type]
+    assert _finals(spy, last, cancel) is None
     assert spy.log == ["s0", "s16", "s32", "f0"]
 
     spy.log.clear()
-    read_prompt(spy, lambda s: s.final, PROMPT, Prefill(16, window=1), None)  # type: ignore[arg-type]
+    _finals(spy, Prefill(16, window=1))
     assert spy.log == ["s0", "f0", "s16", "f16", "s32", "f32"]
     with pytest.raises(GenerationError, match="window"):
-        read_prompt(spy, lambda s: s.final, PROMPT, Prefill(16, window=0), None)  # type: ignore[arg-type]
+        _finals(spy, Prefill(16, window=0))
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -218,7 +224,7 @@ def test_without_a_link_blocks_are_read_one_by_one(folder: Path, k: int) -> None
     nothing to overlap, so no block waits in flight (a Stop is as quick as before)."""
     spy = _Spy(_local(folder, k, pipelines=False))
     assert spy.remote == (k == 1)
-    read_prompt(spy, lambda s: s.final, PROMPT, Prefill(16), None)  # type: ignore[arg-type]
+    _finals(spy, Prefill(16))
     assert spy.log == ["s0", "f0", "s16", "f16", "s32", "f32"]
 
 
