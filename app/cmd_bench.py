@@ -436,6 +436,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         client_quant=args.client_quant,
         org_key=getattr(args, "org_key", None),
+        warm_up=True,
     )
     progress.close()
     if client.plan.fully_local:

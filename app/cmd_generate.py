@@ -163,6 +163,7 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
         client_quant=getattr(args, "client_quant", "auto"),
         org_key=getattr(args, "org_key", None),
         confirm_download=download_prompt(bool(getattr(args, "yes", False))),
+        warm_up=True,
     )
 
 

@@ -54,6 +54,7 @@ class GenerationStats:
     one_token_steps: int = 0  # speculative rounds sent without a tree (drafting did not pay)
     pipelined_rounds: int = 0  # rounds sent while the round before was in flight
     pipeline_hits: int = 0  # of which the bet on the round before was exact (verified)
+    cold_rounds: int = 0  # rounds whose time included a first-use compile (not learned from)
 
     @property
     def decode_tok_s(self) -> float:

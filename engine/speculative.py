@@ -221,6 +221,7 @@ def generate_speculative(
     drafter.reset()
     ctx = list(prompt_ids)
     t_prompt = time.perf_counter()
+    compiled = kernels.compiles()  # (a time that includes a first-use compile is not observed)
     blocks = read_prompt(
         runner,
         lambda s: (s.final, s.features() if taps is not None else None),
@@ -235,7 +236,8 @@ def generate_speculative(
     # (the prefill is not a verification round: prompt processing, a session being opened and
     # first-call costs would make its few long blocks set the cost model's slope; its time per
     # row only bounds the per-node cost until a slope is fitted)
-    cost.seed_slope(len(prompt_ids), time.perf_counter() - t_prompt)
+    if kernels.compiles() == compiled:
+        cost.seed_slope(len(prompt_ids), time.perf_counter() - t_prompt)
     # Only the last row's logits now, as sequential decoding computes them: the other rows'
     # (what the drafter learns from the prompt) wait for the first drafted round, see
     # _prompt_verified
@@ -268,6 +270,7 @@ def generate_speculative(
             out.finish("cancelled")
             break
         t_round = time.perf_counter()
+        compiled = kernels.compiles()
         root, root_pos = ctx[-1], len(ctx) - 1
         room = min(limit - 1 - root_pos, params.max_new_tokens - len(out.token_ids))
         carried, ahead = ahead, None  # sent last round and a bet won: verified now
@@ -417,6 +420,12 @@ def generate_speculative(
             )
         draft_s += time.perf_counter() - t_learn
         stats.draft_s += draft_s
+        if kernels.compiles() != compiled:
+            # a first-use compile ran inside this round: its time says nothing about what a
+            # round costs (one in the first drafted round of a fresh install made drafting look
+            # ten times dearer and kept it off for the session), so nothing learns from it
+            stats.cold_rounds += 1
+            continue
         if carried is None:  # (a carried round's wait overlapped the round before it)
             cost.observe(walk_rows[-1] + 1, t_learn - t_sent)
         if not one_step:  # the rate a head must beat is that of drafted rounds

@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.config import ModelConfig
 from engine.errors import SplitError
 from engine.kernels import linear
@@ -329,14 +330,16 @@ class ClientModel:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """One token through the local layers and the LM head, then forget it: the kernels'
-        first-use compiles (once per machine, then loaded from disk in a second) happen here,
-        while loading says so, instead of silently inside the first reply."""
-        ids = torch.zeros(1, dtype=torch.long, device=self.device)  # [1]
-        pos = torch.zeros(1, dtype=torch.long, device=self.device)  # [1]
-        x = self.embed(ids)  # [1, H]
-        x = self.tail.forward(self.head.forward(x, pos), pos)  # [1, H]
-        self.logits(x)
+        """Two tokens through the local layers and the LM head, and the top successors of their
+        logits (what a speculative round learns from), then forget them: the kernels' first-use
+        compiles (once per machine, then loaded from disk in a second) happen here, while
+        loading says so, instead of silently inside the first reply — where one also made the
+        speculative decoder's first drafted round look seconds long."""
+        ids = torch.zeros(2, dtype=torch.long, device=self.device)  # [2]
+        pos = torch.arange(2, device=self.device)  # [2]
+        x = self.embed(ids)  # [2, H]
+        x = self.tail.forward(self.head.forward(x, pos), pos)  # [2, H]
+        kernels.top_k_softmax(self.logits(x), 2)
         self.reset()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -526,8 +529,8 @@ def load_client(
 ) -> ClientModel:
     """The client for ``spec``. ``client_quant``: ``auto`` (a GGUF file's matrices stay in
     their quantized blocks; float checkpoints stay float), ``none`` (everything float: the
-    reference path), ``int8`` or ``int4`` (quantized at load, cached). ``warm_up``: run one
-    token through it under a "preparing kernels" label (the app: the kernels' one-time
+    reference path), ``int8`` or ``int4`` (quantized at load, cached). ``warm_up``: run two
+    tokens through it under a "preparing kernels" label (the app: the kernels' one-time
     compiles then happen while loading says so, not inside the first reply). ``org_key``: the
     organisation key (an :class:`OrgKey` or its file) for a trunk server that runs a keyed
     model; a trunk in this process (the public model's) ignores it."""

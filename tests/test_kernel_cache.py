@@ -49,3 +49,40 @@ def test_kernels_are_cached_in_one_place_whatever_the_environment(tmp_path: Path
     assert fresh == inherited
     root = str(tmp_path / "veil" / "numba")
     assert all(p.startswith(root) for p in fresh.values()), fresh  # never beside the source
+
+
+# A fresh install: nothing cached. Loading with warm-up compiles; a speculative reply after it
+# (the default model fully local, its draft head, trees of 8 nodes) compiles nothing.
+COLD_REPLY = """
+import json
+import engine.kernels as K
+import engine.speculative as spec
+from engine.chat import messages_for, prompt_ids
+from engine.sampling import SamplingParams
+from engine.split import SplitRunner, load_client
+
+start = K.compiles()
+client = load_client("smollm2-135m-instruct", 15, warm_up=True)
+loaded = K.compiles()
+runner = SplitRunner(client, None)
+ids = prompt_ids(client.tokenizer, messages_for("List three fruits and their colours."))
+got = spec.generate_speculative(
+    runner, ids, SamplingParams(max_new_tokens=16), options=spec.SpecOptions(fixed_budget=8)
+)
+print(json.dumps({"at_load": loaded - start, "in_reply": K.compiles() - loaded,
+                  "nodes": got.stats.tree_nodes_sent - got.stats.round_trips}))
+"""
+
+
+def test_a_fresh_install_compiles_while_loading_not_inside_the_first_reply(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")  # an empty kernel cache
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", COLD_REPLY], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=600, check=True,
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["at_load"] > 0  # the cache was empty: loading compiled the kernels
+    assert got["nodes"] > 0  # drafted rounds were verified
+    assert got["in_reply"] == 0, got

@@ -356,6 +356,80 @@ def test_prefill_is_not_a_cost_model_observation(models: dict[str, Path]) -> Non
     assert cm._w == 0.0  # one token: only the prefill ran, and it taught the cost model nothing
 
 
+class _Recorder(sc.ModeChooser):
+    """A chooser that drafts every round and records the rounds it is shown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, float, int]] = []
+
+    def next_is_sequential(self) -> bool:
+        return False
+
+    def observe(self, sequential: bool, seconds: float, committed: int) -> None:
+        self.seen.append((sequential, seconds, committed))
+
+
+@pytest.mark.parametrize("cold", [(), (0,), (1, 2), (0, 3)])
+def test_rounds_with_a_first_use_compile_are_not_learned_from(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, cold: tuple[int, ...]
+) -> None:
+    """A numba compile inside a round (a fresh install's first drafted round compiled the top-k
+    kernel: ~1.5 s) made drafting look ten times dearer and kept it off for the session. Rounds
+    whose time includes a compile (``kernels.compiles()`` moved) are left out of the cost model
+    and the mode chooser; the prompt's time with one does not seed the slope; the tokens are
+    the same either way. ``cold``: the rounds (0 = the prompt) during which a compile ran."""
+    runner = _runner(models["llama"], 1)
+    prompt, params = [5, 9, 3, 5, 9, 3, 5, 9, 11, 4], SamplingParams(max_new_tokens=10)
+    spec.forget(runner)
+    ref = spec.generate_speculative(runner, prompt, params)
+    count = {"now": 0, "calls": 0}
+
+    def compiles() -> int:  # called at the start and the end of the prompt and of each round
+        count["calls"] += 1
+        part = (count["calls"] - 1) // 2  # 0: the prompt, r: round r
+        if count["calls"] % 2 == 0 and part in cold:
+            count["now"] += 1  # a compile ran inside this part
+        return count["now"]
+
+    monkeypatch.setattr(spec.kernels, "compiles", compiles)
+    spec.forget(runner)
+    state = spec.runner_state(runner)
+    state.mode = chooser = _Recorder()
+    state.cost.seed_slope = lambda rows, seconds: seeded.append(rows)  # type: ignore[method-assign]
+    seeded: list[int] = []
+    got = spec.generate_speculative(runner, prompt, params)
+    assert got.token_ids == ref.token_ids
+    rounds = got.stats.round_trips - 1
+    assert rounds >= 4  # (so every case above has a round after its compile)
+    learned = [r for r in range(1, rounds + 1) if r not in cold]
+    # the last round ends the reply before anything is learned from it
+    assert len(chooser.seen) == len([r for r in learned if r < rounds])
+    assert got.stats.cold_rounds == len([r for r in cold if 0 < r < rounds])
+    assert state.cost._w == pytest.approx(
+        sum(state.cost.decay**i for i in range(len(chooser.seen)))
+    )
+    assert seeded == ([] if 0 in cold else [len(prompt)])
+    spec.forget(runner)
+
+
+def test_compiles_counts_numba_compilations_not_cache_loads() -> None:
+    from numba import njit
+
+    from engine import kernels
+
+    before = kernels.compiles()
+
+    @njit(cache=False)  # type: ignore[untyped-decorator]
+    def twice(x: int) -> int:
+        return 2 * x
+
+    assert twice(3) == 6
+    after = kernels.compiles()
+    assert after > before  # compiled on first call
+    assert twice(4) == 8 and kernels.compiles() == after  # then called, not compiled
+
+
 def test_top_successors_are_the_softmax_top_k() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 50, generator=g) * 4  # [B, V]

@@ -122,6 +122,37 @@ def available() -> bool:
     return _kernel is not None
 
 
+_compiles = 0  # numba compilations started in this process since compiles() was first called
+_watching = False
+
+
+def compiles() -> int:
+    """How many numba compilations (machine code built, not loaded from numba's disk cache)
+    this process has started since the first call: a count that changes while a piece of work
+    runs says its time includes a first-use compile (~0.1-3 s each), which is not what that
+    work costs. The speculative decoder's cost model and mode chooser leave such rounds out
+    (:mod:`engine.speculative`): on a fresh install one compile inside the first drafted round
+    made drafting look ten times dearer than it is, and kept it off for the whole session."""
+    global _watching
+    if not _watching:
+        with _lock:
+            if not _watching:
+                _watching = True
+                if _enabled and importlib.util.find_spec("numba") is not None:
+                    from numba.core import event
+
+                    class _Counter(event.Listener):  # type: ignore[misc]
+                        def on_start(self, ev: Any) -> None:
+                            global _compiles
+                            _compiles += 1
+
+                        def on_end(self, ev: Any) -> None:
+                            pass
+
+                    event.register("numba:compile", _Counter())
+    return _compiles
+
+
 def _restore_threads(n: int) -> None:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
