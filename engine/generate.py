@@ -55,6 +55,7 @@ class GenerationStats:
     pipelined_rounds: int = 0  # rounds sent while the round before was in flight
     pipeline_hits: int = 0  # of which the bet on the round before was exact (verified)
     cold_rounds: int = 0  # rounds whose time included a first-use compile (not learned from)
+    stalled_rounds: int = 0  # rounds far slower than predicted, alone (not learned from)
 
     @property
     def decode_tok_s(self) -> float:

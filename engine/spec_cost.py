@@ -38,6 +38,10 @@ SIZE_SLACK = 0.06  # the cost model takes the largest tree within 6 % of the bes
 # fewer other steps per step than this (on average) and the trunk counts as ours alone: a lone
 # client's own session-switch (its closing session's last reply) must not change its choices
 ALONE_PEERS = 0.5
+# a round slower than STALL_FACTOR times its predicted time plus STALL_MARGIN seconds is a stall
+# (a network or machine hiccup), not what rounds cost: it is not learned from (CostModel.stalled)
+STALL_FACTOR = 4.0
+STALL_MARGIN = 0.25
 
 
 class CostModel:
@@ -57,6 +61,21 @@ class CostModel:
         self.shared_s = 0.0
         self.weight = 0.0
         self.trunk_a = self.trunk_b = 0.0
+        self._skipped = False  # the last round was taken for a stall
+
+    def stalled(self, rows: int, seconds: float) -> bool:
+        """Whether a round of ``rows`` rows whose verification took ``seconds`` is a one-off
+        stall that nothing should learn from: slower than ``STALL_FACTOR`` times the predicted
+        time plus ``STALL_MARGIN``, the round before it not being one.
+
+        One round stalled by the network or the machine (a second of Wi-Fi trouble) early in a
+        session fitted a per-node price that made every later look at drafting lose on paper,
+        and drafting stayed off until the session ended. A slow round right after one taken for
+        a stall is learned from: two in a row say the link or the machine really changed (a
+        satellite link's first rounds, a trunk newly under load), and the fit must follow."""
+        slow = seconds > STALL_FACTOR * self.predict(rows) + STALL_MARGIN
+        self._skipped = slow and not self._skipped
+        return self._skipped
 
     def set_load(self, load: Load | None) -> None:
         """Price rounds in office seconds by the trunk's reported load (None: our own time)."""

@@ -426,6 +426,9 @@ def generate_speculative(
             # ten times dearer and kept it off for the session), so nothing learns from it
             stats.cold_rounds += 1
             continue
+        if carried is None and cost.stalled(walk_rows[-1] + 1, t_learn - t_sent):
+            stats.stalled_rounds += 1  # a one-off hiccup, not what a round costs: not learned
+            continue
         if carried is None:  # (a carried round's wait overlapped the round before it)
             cost.observe(walk_rows[-1] + 1, t_learn - t_sent)
         if not one_step:  # the rate a head must beat is that of drafted rounds

@@ -200,3 +200,26 @@ def test_the_prompts_time_per_row_bounds_the_slope_until_one_is_fitted() -> None
     for _ in range(200):
         cm.observe(1, 0.105)
     assert cm.coefficients()[1] == pytest.approx(0.005)
+
+
+def test_a_lone_stall_is_not_learned_from_but_two_in_a_row_are() -> None:
+    cm = sc.CostModel()
+    for n in itertools.islice(itertools.cycle([1, 9, 17, 25]), 40):
+        assert not cm.stalled(n, 0.1 + 0.002 * n)  # ordinary rounds
+        cm.observe(n, 0.1 + 0.002 * n)
+    limit = sc.STALL_FACTOR * cm.predict(20) + sc.STALL_MARGIN  # ~0.81 s
+    assert not cm.stalled(20, 0.5)  # slow, but within what the link's jitter may do
+    assert cm.stalled(20, limit + 0.01)  # a one-second hiccup: not learned
+    assert not cm.stalled(20, 0.14)  # an ordinary round after it
+    assert cm.stalled(1, 2.0)  # one-token steps too
+    assert not cm.stalled(1, 2.0)  # a second slow round in a row: the link changed
+    assert cm.stalled(1, 2.0)  # (and the fit follows from the rounds learned)
+
+
+def test_a_stall_before_anything_was_fitted_is_judged_by_the_priors() -> None:
+    cm = sc.CostModel()
+    assert cm.predict(20) == pytest.approx(0.05 + 20 * 0.002)
+    assert not cm.stalled(20, 0.3)  # a first round at 150-200 ms of RTT
+    assert cm.stalled(20, 1.05)  # the fresh install's first drafted round (a compile inside)
+    cm.seed_slope(60, 1.2)  # a slow machine: the prompt read at 20 ms a row
+    assert not cm.stalled(20, 1.05)

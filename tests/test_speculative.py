@@ -7,6 +7,8 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -397,6 +399,7 @@ def test_rounds_with_a_first_use_compile_are_not_learned_from(
     state = spec.runner_state(runner)
     state.mode = chooser = _Recorder()
     state.cost.seed_slope = lambda rows, seconds: seeded.append(rows)  # type: ignore[method-assign]
+    state.cost.stalled = lambda rows, seconds: False  # type: ignore[method-assign]
     seeded: list[int] = []
     got = spec.generate_speculative(runner, prompt, params)
     assert got.token_ids == ref.token_ids
@@ -410,6 +413,57 @@ def test_rounds_with_a_first_use_compile_are_not_learned_from(
         sum(state.cost.decay**i for i in range(len(chooser.seen)))
     )
     assert seeded == ([] if 0 in cold else [len(prompt)])
+    spec.forget(runner)
+
+
+@pytest.mark.parametrize(
+    ("stalls", "skipped"), [((), ()), ((1,), (1,)), ((2, 3), (2,)), ((1, 3), (1, 3))]
+)
+def test_a_stalled_round_alone_is_not_learned_from(
+    models: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    stalls: tuple[int, ...],
+    skipped: tuple[int, ...],
+) -> None:
+    """A round whose verification waited two seconds more (a network or machine hiccup) is left
+    out of the cost model and the mode chooser, unless the round before was left out too: then
+    the link really changed. A fake clock (1 ms a reading) makes every other round fast."""
+    runner = _runner(models["llama"], 1)
+    prompt, params = [5, 9, 3, 5, 9, 3, 5, 9, 11, 4], SamplingParams(max_new_tokens=10)
+    spec.forget(runner)
+    ref = spec.generate_speculative(runner, prompt, params)
+    clock = {"now": 0.0, "calls": 0}
+
+    def perf_counter() -> float:
+        clock["now"] += 0.001
+        return clock["now"]
+
+    def compiles() -> int:  # called at the start and the end of the prompt and of each round
+        clock["calls"] += 1
+        return 0
+
+    finish = runner.finish
+
+    def stalling_finish(flight: Any) -> Any:
+        part = clock["calls"] // 2  # 0 while the prompt is read, r during round r
+        if clock["calls"] % 2 == 1 and part in stalls:
+            clock["now"] += 2.0
+        return finish(flight)
+
+    monkeypatch.setattr(spec, "time", SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(spec.kernels, "compiles", compiles)
+    monkeypatch.setattr(runner, "finish", stalling_finish)
+    spec.forget(runner)
+    state = spec.runner_state(runner)
+    state.mode = chooser = _Recorder()
+    got = spec.generate_speculative(runner, prompt, params)
+    assert got.token_ids == ref.token_ids
+    rounds = got.stats.round_trips - 1
+    assert rounds >= 4
+    assert got.stats.stalled_rounds == len(skipped)
+    learned = [r for r in range(1, rounds) if r not in skipped]
+    assert len(chooser.seen) == len(learned)
+    assert all(s < 0.5 for _, s, _ in chooser.seen) == (stalls == skipped)
     spec.forget(runner)
 
 
