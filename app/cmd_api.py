@@ -13,6 +13,7 @@ from app.progress import CliProgress
 from engine.errors import VeilError
 from engine.sampling import SamplingParams
 from engine.session import open_runner
+from engine.split import warm_up_client
 
 TOKEN_ENV = "VEIL_API_TOKEN"
 
@@ -70,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get(TOKEN_ENV) or new_token()
     progress = CliProgress()
     runner = open_runner(runner_options(args), progress)
-    progress.close()
     _use_draft_head(runner, args)
+    warm_up_client(runner.client, progress)  # first-use compiles now, not in the first reply
+    progress.close()
     backend = RunnerBackend(runner, args.decoder, SamplingParams(max_new_tokens=args.max_tokens))
     try:
         server = ApiServer(backend, token, args.host, args.port)

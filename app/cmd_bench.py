@@ -410,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.local_server import start_local_trunk
     from engine.session import parse_dtype
     from engine.speculative import draft_head_of, forget, use_draft_head
-    from engine.split import SplitRunner, load_client
+    from engine.split import SplitRunner, load_client, warm_up_client
     from engine.wan_proxy import WanProxy
 
     if "speculative" not in available_decoders():
@@ -436,11 +436,11 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         client_quant=args.client_quant,
         org_key=getattr(args, "org_key", None),
-        warm_up=True,
     )
     progress.close()
     if client.plan.fully_local:
         raise BenchError("--local-layers leaves no trunk to benchmark; use fewer local layers")
+    warm_up_client(client, CliProgress())  # first-use compiles now, not in the first rounds
     print(
         f"veil bench: starting veil-trunk ({client.name}) behind a {args.rtt_ms:g} ms WAN emulator",
         file=sys.stderr,

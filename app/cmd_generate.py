@@ -18,6 +18,7 @@ from engine.generate import CancelToken, Prefill, available_decoders, generate
 from engine.loading import DEFAULT_MODEL
 from engine.sampling import SamplingParams
 from engine.session import RunnerOptions, open_runner
+from engine.split import warm_up_client
 
 
 def add_common_model_args(p: argparse.ArgumentParser) -> None:
@@ -163,7 +164,6 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
         client_quant=getattr(args, "client_quant", "auto"),
         org_key=getattr(args, "org_key", None),
         confirm_download=download_prompt(bool(getattr(args, "yes", False))),
-        warm_up=True,
     )
 
 
@@ -217,9 +217,12 @@ def run(args: argparse.Namespace) -> int:
     kernels.set_int8_activations(not getattr(args, "exact_float", False))
     opts = runner_options(args)
     runner = open_runner(opts, progress)
+    head_name = _use_draft_head(runner, args)
+    # the kernels' first-use compiles happen here, not inside the reply (after the inputs were
+    # checked: a wrong flag gets its one error line at once)
+    warm_up_client(runner.client, progress)
     progress.close()
     load_s = time.perf_counter() - t0
-    head_name = _use_draft_head(runner, args)
     messages = messages_for(args.prompt, args.system)
     sources: list[Any] = []
     if attached is not None:

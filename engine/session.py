@@ -58,9 +58,6 @@ class RunnerOptions:
     # asked before the server's model is downloaded: (manifest, bytes to fetch) -> go ahead?
     confirm_download: Callable[[Any, int], bool] | None = None
     fetched: Any = None  # set by open_runner: the server's part it loaded (InstalledPart)
-    # run the client's kernels once at load (first-use compiles then happen while loading says
-    # so, not inside the first reply; SplitClient.warm_up)
-    warm_up: bool = False
 
 
 def open_trunk(client: ClientModel, opts: RunnerOptions, progress: Progress | None) -> Trunk | None:
@@ -105,6 +102,5 @@ def open_runner(opts: RunnerOptions, progress: Progress | None = None) -> SplitR
         private_weights=opts.private_weights,
         client_quant=opts.client_quant,
         org_key=opts.org_key,
-        warm_up=opts.warm_up,
     )
     return SplitRunner(client, open_trunk(client, opts, progress))

@@ -12,6 +12,7 @@ side (:func:`load_trunk`) reads only the trunk layers.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -530,8 +531,9 @@ def load_client(
     """The client for ``spec``. ``client_quant``: ``auto`` (a GGUF file's matrices stay in
     their quantized blocks; float checkpoints stay float), ``none`` (everything float: the
     reference path), ``int8`` or ``int4`` (quantized at load, cached). ``warm_up``: run two
-    tokens through it under a "preparing kernels" label (the app: the kernels' one-time
-    compiles then happen while loading says so, not inside the first reply). ``org_key``: the
+    tokens through it (:func:`warm_up_client`: the kernels' one-time compiles then happen
+    while loading, under a "preparing kernels" label when they take a while, not inside the
+    first reply). ``org_key``: the
     organisation key (an :class:`OrgKey` or its file) for a trunk server that runs a keyed
     model; a trunk in this process (the public model's) ignores it."""
     resolved = spec if isinstance(spec, ResolvedModel) else resolve(spec, progress)
@@ -551,12 +553,45 @@ def load_client(
         org_key=org_key,
     )
     if warm_up:
-        if progress is not None:
-            progress("preparing kernels", 0.0)
-        client.warm_up()
-        if progress is not None:
-            progress("preparing kernels", 1.0)
+        warm_up_client(client, progress)
     return client
+
+
+WARM_LABEL_AFTER_S = 1.0  # the warm-up's label shows once it has run this long (0: at once)
+
+
+def warm_up_client(client: ClientModel, progress: Progress | None = None) -> None:
+    """:meth:`ClientModel.warm_up` under a "preparing kernels" label that shows only once the
+    warm-up has taken ``WARM_LABEL_AFTER_S``: first-use compiles take seconds, once per machine
+    (then the label says why loading waits); loading the compiled kernels from numba's disk
+    cache takes a fraction of a second and shows nothing (no line in a CLI's output)."""
+    if progress is None:
+        client.warm_up()
+        return
+    lock, state = threading.Lock(), {"done": False, "shown": False}
+
+    def show() -> None:
+        with lock:
+            if not state["done"]:
+                state["shown"] = True
+                progress("preparing kernels", 0.0)
+
+    timer = None
+    if WARM_LABEL_AFTER_S <= 0:
+        show()
+    else:
+        timer = threading.Timer(WARM_LABEL_AFTER_S, show)
+        timer.daemon = True
+        timer.start()
+    try:
+        client.warm_up()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        with lock:
+            state["done"] = True
+            if state["shown"]:
+                progress("preparing kernels", 1.0)
 
 
 def _contiguous(t: torch.Tensor | QuantWeight) -> Weight:

@@ -245,10 +245,20 @@ def test_split_plan_validation(tiny_llama: Path) -> None:
         SplitRunner(client, load_trunk(str(tiny_llama), 1, 2))
 
 
-def test_warm_up_runs_under_a_label_and_leaves_nothing_behind(tiny_llama: Path) -> None:
+def test_warm_up_runs_under_a_label_and_leaves_nothing_behind(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.split as split
+
     seen: list[tuple[str, float]] = []
+    monkeypatch.setattr(split, "WARM_LABEL_AFTER_S", 0.0)  # the label at once
     warm = load_client(str(tiny_llama), 1, progress=lambda s, f: seen.append((s, f)), warm_up=True)
     assert ("preparing kernels", 0.0) in seen and seen[-1] == ("preparing kernels", 1.0)
+    # a warm-up faster than the label's delay shows nothing (a CLI prints no line for it)
+    monkeypatch.setattr(split, "WARM_LABEL_AFTER_S", 1e6)
+    quiet: list[tuple[str, float]] = []
+    split.warm_up_client(warm, lambda s, f: quiet.append((s, f)))
+    assert quiet == []
     assert warm.head.cache.length == 0 and warm.tail.cache.length == 0
     cold = load_client(str(tiny_llama), 1)
     ids, pos = [3, 7, 11, 5], [0, 1, 2, 3]

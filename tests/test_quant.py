@@ -3,6 +3,7 @@ dequantize-then-multiply, batch-invariant) and the int8/int4 quantizers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -282,3 +283,47 @@ def test_layer_entries_are_generated_once_and_survive_an_unwritable_cache(
     other = _fused_layer.entry(codes, str(tmp_path / "file" / "layers"))
     assert callable(other) and not (tmp_path / "file" / "layers").exists()
     _fused_layer._entries.pop(codes)
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_activation_rounding_is_the_same_in_parallel_serial_and_row_by_row(block: int) -> None:
+    """Prefill quantizes its activation rows on several threads (from ``PARALLEL_ROWS`` rows):
+    every row gets the bits it gets alone, and (blocks of 256) exactly numpy's float32
+    ``floor(x * (127 / amax) + 0.5)`` clipped to ±127 — zero blocks, halves and huge values
+    included."""
+    from engine.kernels import _int_mm as Q
+
+    k, rows = 1024, Q.PARALLEL_ROWS + 5
+    g = np.random.default_rng(5)
+    x = (g.standard_normal((rows, k)) * g.choice([1e-3, 1.0, 40.0], size=(rows, 1))).astype(
+        np.float32
+    )
+    x[0, :256] = 0.0  # a zero block
+    x[1, :4] = [127.0, -63.5, 0.5, -0.5]  # amax 127: exact halves, rounded up
+    x[2, 5] = 3e30
+    sums = 16 if block == 256 else 32
+
+    def run(f: Callable[..., None], xs: np.ndarray, *extra: int) -> tuple[np.ndarray, ...]:
+        n = xs.shape[0]
+        q, d = np.empty((n, k), np.int8), np.empty((n, k // block), np.float32)
+        s = np.empty((n, k // sums), np.int16 if block == 256 else np.int32)
+        f(xs, q, d, s, *extra)
+        return q, d, s
+
+    serial = Q.quantize_acts_k if block == 256 else Q.quantize_acts
+    parallel = Q.quantize_acts_k_rows if block == 256 else Q.quantize_acts_rows
+    want = run(serial, x)
+    for threads in (1, 2, 3):
+        assert all(map(np.array_equal, run(parallel, x, threads), want))
+    for r in (0, 1, 2, rows - 1):
+        assert all(
+            np.array_equal(a, b[r : r + 1])
+            for a, b in zip(run(serial, x[r : r + 1]), want, strict=True)
+        )
+    if block == 256:
+        blocks = x.reshape(rows, -1, 256)
+        amax = np.abs(blocks).max(-1, keepdims=True)
+        inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0)
+        ref = np.clip(np.floor(blocks * inv.astype(np.float32) + np.float32(0.5)), -127, 127)
+        assert np.array_equal(want[0], ref.reshape(rows, k).astype(np.int8))
+        assert np.array_equal(want[1], (amax[..., 0] / np.float32(127.0)).astype(np.float32))

@@ -13,7 +13,6 @@ involve that row only, and every row pair gets the same operations in any group.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -56,6 +55,63 @@ INT_FORMATS: tuple[IntEmitter, ...] = (
 CACHE = True
 TILE = 1  # weight rows per call (measured best on Zen 4: 1 x 8 rows beat 4 x 4 and 2 x 8)
 _OPTS: dict[str, Any] = {"boundscheck": False, "nogil": True, "cache": CACHE}
+PARALLEL_ROWS = 32  # from this many activation rows (prefill) their quantization is parallel
+
+
+@njit(fastmath={"nnan", "nsz"}, **_OPTS)  # type: ignore[untyped-decorator]
+def _abs_max(x: Any, m: int, o: int, n: int) -> Any:
+    """max |x[m, o : o + n]| (a maximum is exact in any order: these flags let it vectorize;
+    not inlined by numba, which would compile it with its caller's flags — LLVM inlines it
+    and keeps them)."""
+    a = np.float32(0.0)
+    for i in range(n):
+        a = max(a, abs(x[m, o + i]))
+    return a
+
+
+@njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
+def _round_block(x: Any, m: int, o: int, n: int, amax: Any, r: Any) -> Any:
+    """r[:n] = x[m, o : o + n] rounded to the int8 grid of ``amax`` (as float32 integers in
+    [-127, 127]: floor(x * 127 / amax + 0.5), no fused multiply-add); returns the scale
+    ``amax / 127``. Element by element, so it vectorizes."""
+    inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+    lo, hi, half = np.float32(-127.0), np.float32(127.0), np.float32(0.5)
+    for i in range(n):
+        r[i] = min(hi, max(lo, np.floor(x[m, o + i] * inv + half)))
+    return amax / np.float32(127.0)
+
+
+@njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
+def _quantize_row(x: Any, q: Any, d: Any, s: Any, m: int, r: Any, grouped: int) -> None:
+    for blk in range(x.shape[1] // 32):
+        o = blk * 32
+        d[m, blk] = _round_block(x, m, o, 32, _abs_max(x, m, o, 32), r)
+        tot = np.int32(0)
+        j = blk % GROUP
+        for i in range(32):
+            v = np.int32(r[i])
+            if blk < grouped:
+                piece = i // 4
+                at = (blk - j) * 32 + 8 * GROUP * (piece // 2) + 4 * (j + GROUP * (piece % 2))
+                q[m, at + i % 4] = v
+            else:
+                q[m, o + i] = v
+            tot += v
+        s[m, blk] = tot
+
+
+@njit(inline="always", **_OPTS)  # type: ignore[untyped-decorator]
+def _quantize_row_k(x: Any, q: Any, d: Any, s: Any, m: int, r: Any) -> None:
+    for blk in range(x.shape[1] // 256):
+        o = blk * 256
+        d[m, blk] = _round_block(x, m, o, 256, _abs_max(x, m, o, 256), r)
+        for g in range(16):
+            tot = np.int32(0)
+            for i in range(16):
+                v = np.int32(r[16 * g + i])
+                q[m, o + 16 * g + i] = v
+                tot += v
+            s[m, 16 * blk + g] = tot
 
 
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
@@ -66,30 +122,23 @@ def quantize_acts(x: Any, q: Any, d: Any, s: Any) -> None:
     grouped kernels read it (:func:`engine.kernels._ir_int.interleave` /
     :func:`~engine.kernels._ir_int.interleave8`): 4-byte piece p of block j goes to byte
     8 * G * (p // 2) + 4 * (j + G * (p % 2)) of the group; the blocks past the last whole group
-    stay in order."""
+    stay in order. Each row alone: the same bits whatever rows share the call."""
     grouped = x.shape[1] // (32 * GROUP) * GROUP  # blocks in whole groups
+    r = np.empty(32, dtype=np.float32)
     for m in range(x.shape[0]):
-        for blk in range(x.shape[1] // 32):
-            o = blk * 32
-            amax = np.float32(0.0)
-            for i in range(32):
-                amax = max(amax, abs(x[m, o + i]))
-            dd = amax / np.float32(127.0)
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            d[m, blk] = dd
-            tot = 0
-            j = blk % GROUP
-            for i in range(32):
-                v = math.floor(x[m, o + i] * inv + np.float32(0.5))
-                v = min(127, max(-127, v))
-                if blk < grouped:
-                    piece = i // 4
-                    at = (blk - j) * 32 + 8 * GROUP * (piece // 2) + 4 * (j + GROUP * (piece % 2))
-                    q[m, at + i % 4] = v
-                else:
-                    q[m, o + i] = v
-                tot += v
-            s[m, blk] = tot
+        _quantize_row(x, q, d, s, m, r, grouped)
+
+
+@njit(parallel=True, **_OPTS)  # type: ignore[untyped-decorator]
+def quantize_acts_rows(x: Any, q: Any, d: Any, s: Any, threads: int) -> None:
+    """:func:`quantize_acts` with the rows shared among ``threads`` threads (prefill)."""
+    grouped = x.shape[1] // (32 * GROUP) * GROUP
+    rows = x.shape[0]
+    step = (rows + threads - 1) // threads
+    for t in prange(threads):
+        r = np.empty(32, dtype=np.float32)
+        for m in range(t * step, min(rows, (t + 1) * step)):
+            _quantize_row(x, q, d, s, m, r, grouped)
 
 
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
@@ -98,22 +147,20 @@ def quantize_acts_k(x: Any, q: Any, d: Any, s: Any) -> None:
     x [M, K] float32 -> q int8 [M, K], d [M, K/256] (max|x|/127 of each block), s int16
     [M, K/16] (the integer sum of each 16 quantized values, for the formats' minimums and
     offsets)."""
+    r = np.empty(256, dtype=np.float32)
     for m in range(x.shape[0]):
-        for blk in range(x.shape[1] // 256):
-            o = blk * 256
-            amax = np.float32(0.0)
-            for i in range(256):
-                amax = max(amax, abs(x[m, o + i]))
-            d[m, blk] = amax / np.float32(127.0)
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            for g in range(16):
-                tot = 0
-                for i in range(16):
-                    v = math.floor(x[m, o + 16 * g + i] * inv + np.float32(0.5))
-                    v = min(127, max(-127, v))
-                    q[m, o + 16 * g + i] = v
-                    tot += v
-                s[m, 16 * blk + g] = tot
+        _quantize_row_k(x, q, d, s, m, r)
+
+
+@njit(parallel=True, **_OPTS)  # type: ignore[untyped-decorator]
+def quantize_acts_k_rows(x: Any, q: Any, d: Any, s: Any, threads: int) -> None:
+    """:func:`quantize_acts_k` with the rows shared among ``threads`` threads (prefill)."""
+    rows = x.shape[0]
+    step = (rows + threads - 1) // threads
+    for t in prange(threads):
+        r = np.empty(256, dtype=np.float32)
+        for m in range(t * step, min(rows, (t + 1) * step)):
+            _quantize_row_k(x, q, d, s, m, r)
 
 
 def _array(context: Any, builder: ir.IRBuilder, ty: Any, value: ir.Value) -> Any:
@@ -295,7 +342,10 @@ def _run(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
     xq = np.empty((m, k), dtype=np.int8)
     xd = np.empty((m, k // 32), dtype=np.float32)
     xs = np.empty((m, k // 32), dtype=np.int32)
-    quantize_acts(x, xq, xd, xs)
+    if threads > 1 and m >= PARALLEL_ROWS:
+        quantize_acts_rows(x, xq, xd, xs, threads)
+    else:
+        quantize_acts(x, xq, xd, xs)
     _product(fmt, xq, xd, xs, w, scale, y, threads)
 
 
@@ -305,7 +355,10 @@ def _run_k(fmt: int, x: Any, w: Any, scale: Any, y: Any, threads: int) -> None:
     xq = np.empty((m, k), dtype=np.int8)
     xd = np.empty((m, k // 256), dtype=np.float32)
     xs = np.empty((m, k // 16), dtype=np.int16)
-    quantize_acts_k(x, xq, xd, xs)
+    if threads > 1 and m >= PARALLEL_ROWS:
+        quantize_acts_k_rows(x, xq, xd, xs, threads)
+    else:
+        quantize_acts_k(x, xq, xd, xs)
     _product(fmt, xq, xd, xs, w, scale, y, threads)
 
 
