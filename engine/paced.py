@@ -70,3 +70,36 @@ class PacedProgress:
             ticker.join()
             self.last_s = time.monotonic() - t0
         self.report(end)
+
+
+def labelled_if_slow(
+    progress: Progress, stage: str, work: Callable[[], None], after_s: float
+) -> None:
+    """Run ``work``, reporting ``stage`` (at 0, then 1 when done) only if it is still running
+    after ``after_s`` seconds (at once when ``after_s`` <= 0): a step that is usually quick
+    (loading cached machine code) adds no line or flicker, and a slow one (compiling it on a
+    machine's first run) says why the wait."""
+    lock, state = threading.Lock(), {"done": False, "shown": False}
+
+    def show() -> None:
+        with lock:
+            if not state["done"]:
+                state["shown"] = True
+                progress(stage, 0.0)
+
+    timer = None
+    if after_s <= 0:
+        show()
+    else:
+        timer = threading.Timer(after_s, show)
+        timer.daemon = True
+        timer.start()
+    try:
+        work()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        with lock:
+            state["done"] = True
+            if state["shown"]:
+                progress(stage, 1.0)

@@ -12,7 +12,6 @@ side (:func:`load_trunk`) reads only the trunk layers.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from engine.model import (
     norm_vector,
     rms_norm,
 )
+from engine.paced import labelled_if_slow
 from engine.quant import QuantWeight, weight_bytes
 from engine.quant.load import client_reader, resolve_quant
 
@@ -567,31 +567,8 @@ def warm_up_client(client: ClientModel, progress: Progress | None = None) -> Non
     cache takes a fraction of a second and shows nothing (no line in a CLI's output)."""
     if progress is None:
         client.warm_up()
-        return
-    lock, state = threading.Lock(), {"done": False, "shown": False}
-
-    def show() -> None:
-        with lock:
-            if not state["done"]:
-                state["shown"] = True
-                progress("preparing kernels", 0.0)
-
-    timer = None
-    if WARM_LABEL_AFTER_S <= 0:
-        show()
     else:
-        timer = threading.Timer(WARM_LABEL_AFTER_S, show)
-        timer.daemon = True
-        timer.start()
-    try:
-        client.warm_up()
-    finally:
-        if timer is not None:
-            timer.cancel()
-        with lock:
-            state["done"] = True
-            if state["shown"]:
-                progress("preparing kernels", 1.0)
+        labelled_if_slow(progress, "preparing kernels", client.warm_up, WARM_LABEL_AFTER_S)
 
 
 def _contiguous(t: torch.Tensor | QuantWeight) -> Weight:

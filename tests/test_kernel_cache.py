@@ -86,3 +86,20 @@ def test_a_fresh_install_compiles_while_loading_not_inside_the_first_reply(tmp_p
     assert got["at_load"] > 0  # the cache was empty: loading compiled the kernels
     assert got["nodes"] > 0  # drafted rounds were verified
     assert got["in_reply"] == 0, got
+
+
+def test_compiles_counts_numba_compilations_not_cache_loads() -> None:
+    from numba import njit
+
+    from engine import kernels
+
+    before = kernels.compiles()
+
+    @njit(cache=False)  # type: ignore[untyped-decorator]
+    def twice(x: int) -> int:
+        return 2 * x
+
+    assert twice(3) == 6
+    after = kernels.compiles()
+    assert after > before  # compiled on first call
+    assert twice(4) == 8 and kernels.compiles() == after  # then called, not compiled
