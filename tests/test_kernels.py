@@ -187,8 +187,8 @@ def test_top_k_softmax_matches_torch(kernel_on: None) -> None:
 
 @pytest.mark.parametrize(
     "shape",
-    [(6, 2, 64, 5), (9, 3, 64, 19), (4, 1, 24, 11), (2, 2, 128, 3), (4, 2, 8, 9)],
-    ids=["gqa", "smollm2-heads", "hd24", "hd128", "hd8"],
+    [(6, 2, 64, 5), (9, 3, 64, 19), (4, 1, 24, 11), (2, 2, 128, 3), (4, 2, 8, 9), (4, 2, 80, 9)],
+    ids=["gqa", "smollm2-heads", "hd24", "hd128", "hd8", "hd80"],
 )
 def test_attention_depends_only_on_the_keys_a_row_sees(
     kernel_on: None, shape: tuple[int, int, int, int]
@@ -197,7 +197,9 @@ def test_attention_depends_only_on_the_keys_a_row_sees(
     just those keys, packed at the start of the cache and nothing masked — whatever slots they
     sat in (tree verification vs sequential decoding) and whatever block it is computed in
     (across the kernel's 8-row tiles, its 256-key value blocks, vector and scalar lanes of
-    the head) — and matches torch's SDPA."""
+    the head, the value sums of one query taken four 16-lane chunks at a time and of eight
+    queries one chunk at a time: hd 80 has a group of four and one more) — and matches
+    torch's SDPA."""
     nh, nkv, hd, rows = shape
     g = torch.Generator().manual_seed(5)
     cap = 300

@@ -44,12 +44,18 @@ ROWS = 8  # rows of a block per job
 KEY_BLOCK = 256  # keys whose values stay in L1/L2 while a job's queries pass over them
 
 
-def _make_weighted_sum(rows: int) -> Any:
+def _i64(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    return b.sext(v, I64) if v.type.width < 64 else v
+
+
+def _make_weighted_sum(rows: int, chunks: int = 1) -> Any:
     """An intrinsic ``wsum(p, v, acc, r0, t0, t1)``: for query rows r0 .. r0 + rows and the
     first 16 * (hd // 16) lanes, acc[r] += sum over t in [t0, t1) of p[r, t] * v[t], one fused
     multiply-add per key in order of t. Each lane's chain is the same whatever ``rows`` is, so
     a query's bits do not depend on its neighbours; the accumulators stay in registers across
-    the keys (numba's loops kept them in memory, ~5x slower)."""
+    the keys (numba's loops kept them in memory, ~5x slower). ``chunks`` groups of 16 lanes go
+    over the keys together: independent chains, so one query (a decode step's head) is not held
+    to one fused multiply-add per latency (each lane's order is unchanged: the same bits)."""
 
     def typer(typingctx: Any, p: Any, v: Any, acc: Any, r0: Any, t0: Any, t1: Any) -> Any:
         return types.void(p, v, acc, r0, t0, t1), codegen
@@ -58,7 +64,7 @@ def _make_weighted_sum(rows: int) -> Any:
         pa = context.make_array(sig.args[0])(context, b, args[0])
         va = context.make_array(sig.args[1])(context, b, args[1])
         aa = context.make_array(sig.args[2])(context, b, args[2])
-        r0, t0, t1 = args[3], args[4], args[5]
+        r0, t0, t1 = (_i64(b, a) for a in args[3:6])
         hd = b.extract_value(va.shape, 1)
         p_step = b.extract_value(pa.strides, 0)
         v_step = b.extract_value(va.strides, 0)
@@ -76,28 +82,45 @@ def _make_weighted_sum(rows: int) -> Any:
         fma = cgutils.get_or_insert_function(
             b.module, ir.FunctionType(v16, [v16, v16, v16]), f"llvm.fma.v{LANES}f32"
         )
-        accs = [cgutils.alloca_once(b, v16) for _ in range(rows)]
-        with cgutils.for_range(b, b.udiv(hd, ir.Constant(I64, LANES))) as chunk:
-            off = b.mul(chunk.index, ir.Constant(I64, LANES * 4))
+        width = ir.Constant(I64, LANES * 4)  # bytes per chunk of 16 lanes
+
+        def chunk_group(first: ir.Value, n: int) -> None:
+            """Chunks first .. first + n - 1 of every row over the keys [t0, t1)."""
+            offs = [b.mul(b.add(first, ir.Constant(I64, c)), width) for c in range(n)]
+            accs = [[cgutils.alloca_once(b, v16) for _ in range(n)] for _ in range(rows)]
             for k in range(rows):
-                b.store(load_vec(b, b.gep(arow[k], [off]), LANES), accs[k])
+                for c in range(n):
+                    b.store(load_vec(b, b.gep(arow[k], [offs[c]]), LANES), accs[k][c])
             with cgutils.for_range(b, b.sub(t1, t0)) as key:
                 t = b.add(t0, key.index)
-                vv = load_vec(b, byte_ptr(b, va.data, b.add(b.mul(t, v_step), off)), LANES)
+                vrow = b.mul(t, v_step)
+                vvs = [load_vec(b, byte_ptr(b, va.data, b.add(vrow, o)), LANES) for o in offs]
                 for k in range(rows):
                     pk = b.load(b.bitcast(b.gep(prow[k], [b.mul(t, ir.Constant(I64, 4))]), fptr))
                     one = b.insert_element(ir.Constant(v16, ir.Undefined), pk, ir.Constant(I32, 0))
                     pv = b.shuffle_vector(one, one, zeros)
-                    b.store(b.call(fma, [pv, vv, b.load(accs[k])]), accs[k])
+                    for c in range(n):
+                        b.store(b.call(fma, [pv, vvs[c], b.load(accs[k][c])]), accs[k][c])
             for k in range(rows):
-                b.store(b.load(accs[k]), b.bitcast(b.gep(arow[k], [off]), vptr), align=1)
+                for c in range(n):
+                    dst = b.bitcast(b.gep(arow[k], [offs[c]]), vptr)
+                    b.store(b.load(accs[k][c]), dst, align=1)
+
+        total = b.udiv(hd, ir.Constant(I64, LANES))
+        groups = b.udiv(total, ir.Constant(I64, chunks))
+        with cgutils.for_range(b, groups) as grp:
+            chunk_group(b.mul(grp.index, ir.Constant(I64, chunks)), chunks)
+        if chunks > 1:  # the chunks past the last whole group, one at a time
+            left = b.mul(groups, ir.Constant(I64, chunks))
+            with cgutils.for_range_slice(b, left, total, ir.Constant(I64, 1)) as (c, _):
+                chunk_group(c, 1)
         return context.get_dummy_value()
 
     return intrinsic(typer)
 
 
 wsum8: Any = _make_weighted_sum(8)
-wsum1: Any = _make_weighted_sum(1)
+wsum1: Any = _make_weighted_sum(1, 4)
 
 
 @njit(fastmath={"nnan", "nsz"}, boundscheck=False, nogil=True, cache=CACHE)  # type: ignore[untyped-decorator]
