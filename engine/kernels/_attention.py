@@ -44,10 +44,6 @@ ROWS = 8  # rows of a block per job
 KEY_BLOCK = 256  # keys whose values stay in L1/L2 while a job's queries pass over them
 
 
-def _i64(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    return b.sext(v, I64) if v.type.width < 64 else v
-
-
 def _make_weighted_sum(rows: int, chunks: int = 1) -> Any:
     """An intrinsic ``wsum(p, v, acc, r0, t0, t1)``: for query rows r0 .. r0 + rows and the
     first 16 * (hd // 16) lanes, acc[r] += sum over t in [t0, t1) of p[r, t] * v[t], one fused
@@ -64,7 +60,7 @@ def _make_weighted_sum(rows: int, chunks: int = 1) -> Any:
         pa = context.make_array(sig.args[0])(context, b, args[0])
         va = context.make_array(sig.args[1])(context, b, args[1])
         aa = context.make_array(sig.args[2])(context, b, args[2])
-        r0, t0, t1 = (_i64(b, a) for a in args[3:6])
+        r0, t0, t1 = args[3], args[4], args[5]
         hd = b.extract_value(va.shape, 1)
         p_step = b.extract_value(pa.strides, 0)
         v_step = b.extract_value(va.strides, 0)
