@@ -96,6 +96,7 @@ def child_remote(
     chunk: int | None = None,
     window: int = 1,
     pin: bool = False,
+    server_chunk: int | None = None,
 ) -> dict[str, Any]:
     import os
 
@@ -113,7 +114,10 @@ def child_remote(
     torch.set_num_threads(threads)
     kernels.set_threads(threads)
     client = load_client(model, 2, warm_up=True)
-    with start_local_trunk(model, min_local_layers=2, rtt_ms=rtt_ms, threads=threads) as srv:
+    extra = [] if server_chunk is None else ["--prefill-chunk", str(server_chunk)]
+    with start_local_trunk(
+        model, min_local_layers=2, rtt_ms=rtt_ms, threads=threads, extra_args=extra
+    ) as srv:
         if pin:
             os.sched_setaffinity(0, {cores[0]})
         trunk = srv.connect(client)
@@ -141,7 +145,13 @@ def child_main(spec: str) -> None:
     else:
         read = job.get("read") or [None, 1]
         out = child_remote(
-            job["model"], job["ids"], job["threads"], job["rtt_ms"], *read, job.get("pin", False)
+            job["model"],
+            job["ids"],
+            job["threads"],
+            job["rtt_ms"],
+            *read,
+            job.get("pin", False),
+            job.get("server_chunk"),
         )
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -180,6 +190,12 @@ def main() -> int:
         "(blocks of ROWS rows, WINDOW of them in flight; the app reads 256x3)",
     )
     ap.add_argument(
+        "--server-chunks",
+        default="default",
+        help="server runs: the trunk's --prefill-chunk, comma-separated values alternated "
+        "('default': the server's own)",
+    )
+    ap.add_argument(
         "--pin",
         action="store_true",
         help="server runs: the server on the last core, the client on the first (--threads 1 "
@@ -202,6 +218,7 @@ def main() -> int:
     reads = [
         None if r == "one" else [int(x) for x in r.split("x")] for r in args.server_reads.split(",")
     ]
+    server_chunks = [None if c == "default" else int(c) for c in args.server_chunks.split(",") if c]
     rows: list[dict[str, Any]] = []
     for n in [int(x) for x in args.lengths.split(",")]:
         ids = prompt_ids(model, n)
@@ -212,8 +229,15 @@ def main() -> int:
             jobs += [{"kind": "veil", "chunk": c} for c in chunks]
             if args.rtt_ms > 0:
                 jobs += [
-                    {"kind": "remote", "rtt_ms": args.rtt_ms, "read": r, "pin": args.pin}
+                    {
+                        "kind": "remote",
+                        "rtt_ms": args.rtt_ms,
+                        "read": r,
+                        "pin": args.pin,
+                        "server_chunk": sc,
+                    }
                     for r in reads
+                    for sc in server_chunks
                 ]
             for job in jobs:
                 job.update(model=model, ids=ids, threads=args.threads)
@@ -223,6 +247,8 @@ def main() -> int:
                 name = job["kind"] + (f" chunk {job.get('chunk')}" if job["kind"] == "veil" else "")
                 if job.get("read"):
                     name += " {}x{}".format(*job["read"])
+                if job.get("server_chunk"):
+                    name += f" trunk {job['server_chunk']}"
                 row = {"engine": name, "tokens": n, "repeat": rep, "seconds": res["seconds"]}
                 row["tok_s"] = n / res["seconds"]
                 rows.append(row)

@@ -187,7 +187,8 @@ def build_parser() -> Parser:
         metavar="ROWS",
         help="longer steps (prompts) run in chunks of this many rows, with other sessions' "
         "steps in between (default 256 on a GPU, 32 on a CPU: a short step waits for about "
-        "one chunk)",
+        "one chunk; on a CPU, while one client key alone has sessions open, its prompt "
+        "takes up to --max-batch-rows at once)",
     )
     s.add_argument(
         "--no-batching",

@@ -20,8 +20,13 @@ served and the leader's first chunk always goes. So a short step waits at most f
 running when it arrives — about one chunk — and then runs in the next one.
 
 Chunk offsets depend only on the step, never on the batch: attention over a chunk sees the slots
-up to its last row, so cutting a block differently would round differently, and a session's bits
-must not depend on who else is queued.
+up to its last row, so on kernels that round a row differently by block (SDPA on a GPU) cutting a
+block differently would round differently, and a session's bits must not depend on who else is
+queued. Where every row gets the bits it gets alone (the trunk worker's ``bit_identical``: the CPU
+kernels), a prefill with no other session's work queued, while no other client key has a session
+open, takes several of its chunks at once, up to the batch budget (``TrunkWorker.lone_rows``):
+the same offsets, fewer of them used, the same bits. Only that key's own next step can wait for
+such a batch; with another key present, chunks stay at C rows.
 """
 
 from __future__ import annotations

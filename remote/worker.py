@@ -15,7 +15,7 @@ own scheduler thread. The interface (documented in ``docs/architecture.md``):
 Scheduling (``remote/scheduler.py``): whenever the device is free, sessions' next chunks — one per
 session, client keys taking turns by the rows each has had computed — join one batch up to
 ``max_batch_rows``; steps longer than ``prefill_chunk`` rows run as chunks at fixed offsets with
-other sessions' steps in between.
+other sessions' steps in between (a lone prefill on the CPU kernels takes several at once).
 The math (``engine/ragged.py``): projections over all rows at once, attention per session.
 
 Failures stay with their session: a step that cannot be prepared (bad ``keep``, no memory to grow
@@ -183,6 +183,16 @@ class TrunkWorker:
             # where numba is missing, does not)
             and (not quantized or kernels.quant_available())
         )
+        # A lone prefill (no other session has work queued, no other client key has a session
+        # open) takes whole runs of its chunks, up to the batch budget: where every row gets its
+        # bits alone, cutting a block at fewer of its C-row offsets changes none of them. Only
+        # the key's own next step can arrive and wait for such a batch; another key's session
+        # keeps chunks at C rows, so no one can make another person's steps wait longer.
+        self.lone_rows = (
+            max(self.chunk, options.max_batch_rows // self.chunk * self.chunk)
+            if self.bit_identical
+            else self.chunk
+        )
         self._sessions: dict[str, SessionState] = {}
         self._orphans: list[SessionState] = []  # closed, maybe with jobs still to answer
         self._cond = threading.Condition()
@@ -294,6 +304,7 @@ class TrunkWorker:
             "batching": self.opts.batching,
             "max_batch_rows": self.opts.max_batch_rows,
             "prefill_chunk": self.chunk,
+            "lone_prefill_rows": self.lone_rows,
             "bit_identical": self.bit_identical,
             "kernel": batched_kernel.status() if self.invariant else "engine default",
             "stages": [f"{s.device}:{s.lo}-{s.hi}" for s in self.stages],
@@ -354,14 +365,17 @@ class TrunkWorker:
         ready = []
         heads: dict[str, _Task] = {}
         active, present = set(), set()
-        for s in self._all():
+        sessions = self._all()
+        lone = len({s.owner for s in sessions}) == 1 and sum(1 for s in sessions if s.queue) == 1
+        chunk = self.lone_rows if lone else self.chunk
+        for s in sessions:
             present.add(s.owner)
             if s.queue:
                 active.add(s.owner)
             if s.queue and not s.busy and not s.closed:
                 t = s.queue[0]
                 heads[s.sid] = t
-                rows = chunk_rows(t.total, t.done_rows, self.chunk)
+                rows = chunk_rows(t.total, t.done_rows, chunk)
                 ready.append(Ready(s.sid, rows, t.since, s.owner, rows == t.total))
         self._shares.track(active)
         use = self._shares.usage

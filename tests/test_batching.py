@@ -309,6 +309,63 @@ def test_long_prefill_runs_in_chunks_between_other_sessions_steps(mistral: Path)
     assert sorted(d.queue_ms for d in decodes)[len(decodes) // 2] < 2 * chunk_ms
 
 
+def test_a_lone_prefill_takes_several_chunks_at_once_with_the_same_bits(mistral: Path) -> None:
+    """With no other session's work queued and no other client key present, a prefill runs in
+    batches of whole runs of its chunks (the CPU kernels give each row its bits alone); beside
+    another session's queued work, or another key's open session, it goes back to one chunk a
+    batch. Every output equals one-chunk-a-batch's bits."""
+    hid = load_config(mistral).hidden_size
+    g = torch.Generator().manual_seed(11)
+    long = torch.randn(200, hid, generator=g)  # [200, H]
+    other = torch.randn(100, hid, generator=g)  # [100, H]
+
+    def prefill(h: Harness, steps: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Open these sessions and queue their prompts at once; their outputs, in order."""
+        for sid in steps:
+            h.worker.open(sid, 1, 5, 64)
+        h.worker.submit_many(
+            [Job(sid, 0, list(range(len(x))), None, None, x) for sid, x in steps.items()]
+        )
+        outs = [d.hidden for d in h.wait([(sid, 0) for sid in steps])]
+        assert all(o is not None for o in outs)
+        return [o for o in outs if o is not None]
+
+    def batches(h: Harness, before: dict[int, int]) -> dict[int, int]:
+        """Batches by row count since ``before`` was taken."""
+        now = {int(k): v for k, v in h.worker.stats()["batch_rows_hist"].items()}
+        return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
+
+    one_chunk = Harness(mistral, max_batch_rows=16, prefill_chunk=16)
+    merged = Harness(mistral, max_batch_rows=64, prefill_chunk=16)
+    try:
+        assert one_chunk.worker.lone_rows == 16 and merged.worker.lone_rows == 64
+        (want,) = prefill(one_chunk, {"a": long})
+        (want_other,) = prefill(one_chunk, {"b": other})
+        (alone,) = prefill(merged, {"a": long})
+        hist_alone = batches(merged, {})
+        merged.forget(["a"])
+        both = prefill(merged, {"a": long, "b": other})
+        hist_both = batches(merged, hist_alone)
+        merged.forget(["a", "b"])
+        seen = batches(merged, {})
+        merged.worker.open("idle", 1, 5, 64, owner="another key")  # open, nothing queued
+        (beside_idle,) = prefill(merged, {"a": long})
+        hist_idle = batches(merged, seen)
+    finally:
+        one_chunk.close()
+        merged.close()
+    assert torch.equal(alone, want) and torch.equal(beside_idle, want)
+    assert torch.equal(both[0], want) and torch.equal(both[1], want_other)
+    # alone: 200 rows = three batches of 64 and one of 8
+    assert hist_alone == {64: 3, 8: 1}
+    # together: one 16-row chunk of each a batch while both have work queued (6 of 32 rows,
+    # then b's last 4 beside a's 16), then a alone, merged again: its last 88 rows as 64 + 24
+    assert hist_both == {32: 6, 20: 1, 64: 1, 24: 1}, hist_both
+    # another client key's open session keeps the chunks at 16 rows, though it queues nothing:
+    # its next step must not wait for a whole merged batch
+    assert hist_idle == {16: 12, 8: 1}, hist_idle
+
+
 # ----------------------------------------------------------------------------- failures
 
 
