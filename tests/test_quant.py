@@ -327,3 +327,35 @@ def test_activation_rounding_is_the_same_in_parallel_serial_and_row_by_row(block
         ref = np.clip(np.floor(blocks * inv.astype(np.float32) + np.float32(0.5)), -127, 127)
         assert np.array_equal(want[0], ref.reshape(rows, k).astype(np.int8))
         assert np.array_equal(want[1], (amax[..., 0] / np.float32(127.0)).astype(np.float32))
+
+
+def test_the_fused_layers_silu_gate_is_per_value_and_close_to_silu(quant_on: None) -> None:
+    """The one-call layer's gate, act = silu(g) * u, in parallel jobs of ``SILU_COLS`` columns:
+    every value gets the bits it gets in any other row, column or block (its own operations
+    only, so a vector body and a scalar tail agree), from columns at any offset of the gate's
+    and the up part's arrays, and within 2 float32 ulps of silu computed in float64 (with
+    the kernel's floor: e^-87 for gates below -87)."""
+    from engine.kernels._fused_layer import SILU_COLS, silu_gate
+
+    inter = SILU_COLS + 37  # a full job and a short one, a scalar tail in each
+    g = np.random.default_rng(8)
+    gu = (g.standard_normal((5, 2 * inter + 3)) * 6).astype(np.float32)
+    gu[0, 3:23] = [0, -0.0, 1e-30, -1e-30, 88, -88, 200, -200, 1, -1] + [3, -3] * 5
+    act = np.empty((5, inter), np.float32)
+    silu_gate(gu, 3, gu, 3 + inter, inter, act)  # gate at column 3, up right after it
+    gate = gu[:, 3 : 3 + inter].astype(np.float64)
+    up = gu[:, 3 + inter : 3 + 2 * inter]
+    e = np.exp(np.maximum(-np.abs(gate), -87.0))  # below -87 the gate counts as -87 (< 1e-35)
+    want = (gate * np.where(gate >= 0, 1.0, e) / (1.0 + e)).astype(np.float32) * up
+    assert np.allclose(act, want, rtol=2.5e-7, atol=0)
+    # the same values in another row, at another column, one row at a time
+    moved = np.zeros((1, inter + 11), np.float32)
+    one = np.empty((1, inter), np.float32)
+    for r in range(5):
+        moved[0, 11:] = gu[r, 3 : 3 + inter]
+        silu_gate(moved, 11, up[r : r + 1].copy(), 0, inter, one)
+        assert np.array_equal(one[0].view(np.uint32), act[r].view(np.uint32)), r
+    # a value's bits do not depend on its column within a job (vector body vs scalar tail)
+    shifted = np.empty((5, inter - 1), np.float32)
+    silu_gate(gu, 4, gu, 4 + inter, inter - 1, shifted)
+    assert np.array_equal(shifted.view(np.uint32), act[:, 1:].view(np.uint32))

@@ -186,8 +186,12 @@ def silu_gate(g: Any, gc: int, u: Any, uc: int, inter: int, act: Any) -> None:
     for job in prange(act.shape[0] * per):
         b = job // per
         c0 = (job % per) * SILU_COLS
-        for i in range(c0, min(c0 + SILU_COLS, inter)):
-            v = np.float64(g[b, gc + i])
+        c1 = min(c0 + SILU_COLS, inter)
+        # one-dimensional views: indexing the 2-D arrays kept the compiler from vector code
+        # (2.7x slower on a 256-row Qwen2.5-1.5B block); the same operations per value
+        gs, us, out = g[b, gc + c0 : gc + c1], u[b, uc + c0 : uc + c1], act[b, c0:c1]
+        for i in range(c1 - c0):
+            v = np.float64(gs[i])
             y = max(-abs(v), -87.0) * (1.0 / 1024.0)
             e = 1.0 + y * (
                 1.0 + y * (0.5 + y * (1.0 / 6 + y * (1.0 / 24 + y * (1.0 / 120 + y / 720))))
@@ -195,7 +199,7 @@ def silu_gate(g: Any, gc: int, u: Any, uc: int, inter: int, act: Any) -> None:
             for _ in range(10):  # e^(y / 1024) -> e^y
                 e *= e
             sig = (1.0 if v >= 0 else e) / (1.0 + e)
-            act[b, i] = np.float32(v * sig) * u[b, uc + i]
+            out[i] = np.float32(v * sig) * us[i]
 
 
 @njit(**_OPTS)  # type: ignore[untyped-decorator]
