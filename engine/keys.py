@@ -33,6 +33,7 @@ CLIENT_PUBLIC = "client-public-key"
 CLIENT_SECRET = "client-secret-key"
 SERVER_PREFIX = "server-key:"
 SIGN_PREFIX = "server-sign-key:"  # the key that signs the model parts a server ships
+ORG_KEY = "org-key"  # the imported organisation key, as its text (app/core/org_key.py)
 
 FALLBACK_HINT = (
     "no OS keyring is available on this computer; set VEIL_KEYRING=file to keep keys in a "
@@ -117,12 +118,16 @@ def backend() -> Any:
         except Exception as exc:
             raise KeyStoreError(f"cannot open the OS keyring: {exc}", hint=FALLBACK_HINT) from None
         mod = type(be).__module__
+
+        def ours_or_alt(m: str) -> bool:  # keyrings.alt's files, or the memory store above
+            return m.startswith("keyrings.alt") or m == __name__
+
         chained = getattr(be, "backends", None)
         if chained is not None:
-            real = [b for b in chained if not type(b).__module__.startswith("keyrings.alt")]
+            real = [b for b in chained if not ours_or_alt(type(b).__module__)]
             if not real:
                 raise KeyStoreError("no OS keyring", hint=FALLBACK_HINT)
-        if isinstance(be, fail.Keyring) or mod.startswith("keyrings.alt") or "null" in mod:
+        if isinstance(be, fail.Keyring) or ours_or_alt(mod) or "null" in mod:
             raise KeyStoreError("no OS keyring", hint=FALLBACK_HINT)
     else:
         raise KeyStoreError(
@@ -150,6 +155,34 @@ def _set(name: str, value: str) -> None:
         raise
     except Exception as exc:
         raise KeyStoreError(f"cannot write to the keyring: {exc}", hint=FALLBACK_HINT) from None
+
+
+def _delete(name: str) -> None:
+    from keyring.errors import PasswordDeleteError
+
+    try:
+        backend().delete_password(SERVICE, name)
+    except KeyStoreError:
+        raise
+    except PasswordDeleteError:  # some stores say so when there is nothing to delete
+        if _get(name) is not None:
+            raise KeyStoreError("the keyring did not delete the key", hint=FALLBACK_HINT) from None
+    except Exception as exc:
+        raise KeyStoreError(f"cannot delete from the keyring: {exc}", hint=FALLBACK_HINT) from None
+
+
+def org_key_text() -> str | None:
+    """The organisation key kept with this computer's keys (its text form), or None."""
+    return _get(ORG_KEY)
+
+
+def save_org_key_text(text: str) -> None:
+    _set(ORG_KEY, text)
+
+
+def delete_org_key_text() -> None:
+    """Remove the organisation key from the store (nothing to do when there is none)."""
+    _delete(ORG_KEY)
 
 
 def client_keypair(create: bool = True) -> tuple[str, str]:

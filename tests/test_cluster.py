@@ -527,6 +527,46 @@ def test_loadtest_reports_sessions_per_replica(gateway: Any) -> None:
     assert report["runs"][0]["replica_sessions"] == [1, 1] and report["runs"][0]["errors"] == 0
 
 
+@pytest.mark.slow
+def test_a_keyed_trunk_behind_the_gateway_gives_the_plain_models_tokens(
+    folder: Path, ray_runtime: None, reference: dict[str, list[int]], tmp_path: Path
+) -> None:
+    """``serve --ray --keyed-trunk``: a gateway with one replica running the keyed layers
+    announces the key id; a client with the organisation key gets the plain model's tokens
+    through it, one without is refused. The replica reserves no CPU, so it starts beside the
+    module's gateway on the two-CPU runtime."""
+    import dataclasses
+
+    from engine.keyed.transform import KeyedError
+    from engine.keyed.trunk import prepare_keyed_trunk
+    from remote.cluster.gateway import GatewayServer
+    from tests.keyed_support import KEY
+
+    keyed = tmp_path / "keyed"
+    prepare_keyed_trunk(str(folder), KEY, 1, keyed)
+    gw = GatewayServer(
+        dataclasses.replace(_options(folder), keyed_trunk=str(keyed)),
+        ClusterOptions(replicas=1, cpus_per_replica=0, threads=1, ready_timeout_s=180),
+        secret_key=SERVER_KEYS[1].encode(),
+        public_key=SERVER_KEYS[0].encode(),
+        allowed=_allowed,
+    )
+    t = _serve(gw)
+    try:
+        assert gw.public_stats()["key_id"] == KEY.key_id
+        client = load_client(str(folder), 1, org_key=KEY)
+        with _connect(gw.address, client) as trunk:
+            assert trunk.key_id == KEY.key_id
+            got = generate(SplitRunner(client, trunk), PROMPT, GREEDY).token_ids
+            assert gw.router.replica_of(trunk.session or "") == 0
+        assert got == reference["sequential"]
+        with pytest.raises(KeyedError, match="add your organisation's key"):
+            _connect(gw.address, load_client(str(folder), 1))
+    finally:
+        gw.stop()
+        t.join(30)
+
+
 def test_replica_core_serves_the_wire_without_ray(folder: Path) -> None:
     """The replica side alone (no Ray): open, a step, reset, and a step of a forgotten session,
     through its CURVE inbox, answered on a PUSH to a stand-in gateway."""

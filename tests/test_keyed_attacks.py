@@ -17,7 +17,7 @@ from app import cli
 from engine.audit import store
 from engine.audit.collect import AuditModel
 from engine.audit.keyed import run_keyed_audit
-from engine.audit.runner import QUICK
+from engine.audit.runner import QUICK, run_audit
 from engine.keyed import attacks as KA
 from engine.keyed import audit_name
 from engine.keyed.transform import OrgKey, derive, key_layers
@@ -108,10 +108,22 @@ def test_attacker_functions_never_take_the_key() -> None:
         )
 
 
-def test_keyed_audit_stores_results_with_the_schema(tiny_models: dict[str, Path]) -> None:
-    st = replace(QUICK, n_stdlib=8, n_pii=8, n_generated=2, sipit_docs=2, quality_docs=2)
+TINY_AUDIT = replace(QUICK, n_stdlib=8, n_pii=8, n_generated=2, sipit_docs=2, quality_docs=2)
+
+
+@pytest.fixture(scope="module")
+def keyed_res(tiny_models: dict[str, Path]) -> dict[str, Any]:
     folder = str(tiny_models["llama"])
-    res = run_keyed_audit(folder, [1], KEY, None, [0.0, 0.1], settings=st, seed=0, quick=True)
+    return run_keyed_audit(
+        folder, [1], KEY, None, [0.0, 0.1], settings=TINY_AUDIT, seed=0, quick=True
+    )
+
+
+def test_keyed_audit_stores_results_with_the_schema(
+    tiny_models: dict[str, Path], keyed_res: dict[str, Any]
+) -> None:
+    folder = str(tiny_models["llama"])
+    res = keyed_res
     name = audit_name(resolve(folder).name, KEY.key_id)
     got = store.latest_results(name)
     assert got is not None and got["model"] == name == res["model"]
@@ -127,6 +139,49 @@ def test_keyed_audit_stores_results_with_the_schema(tiny_models: dict[str, Path]
     assert wa["rotation_error"] < 1e-5 and wa["top1"] == 1.0
     assert len(got["best"]) == 4  # per noise level and side
     assert store.worst_case(got, 1) is not None
+
+
+ESTIMATES = ("weight_alignment", "gram_eigen", "known_plaintext", "distribution_match")
+
+
+def test_keyed_audit_runs_the_plain_audits_attacks_after_every_estimate(
+    tiny_models: dict[str, Path], keyed_res: dict[str, Any]
+) -> None:
+    """Each estimate of q is followed by the plain audit's attacks on the sides the plain audit
+    runs them (named "<estimate>+<plain name>"); the prior needs no q; `best` is the top row
+    over all of them."""
+    folder = str(tiny_models["llama"])
+    plain = run_audit(folder, [1], None, settings=TINY_AUDIT, seed=0, quick=True, save=False)
+    plain_sides = {(r["attack"], r["side"]) for r in plain["results"]}
+    assert len({a for a, _ in plain_sides}) == 8  # today's eight
+    res = keyed_res
+    for s in res["noise"]:
+        got = {(r["attack"], r["side"]) for r in res["results"] if r["noise"] == s}
+        assert {("prior", "input"), ("prior", "output")} <= got
+        for e in ESTIMATES:
+            follow = {(a[len(e) + 1 :], side) for a, side in got if a.startswith(e + "+")}
+            assert follow == plain_sides - {("prior", "input"), ("prior", "output")}, (e, s)
+    # noise 0: weight alignment recovers q exactly, so its follow-ups read what the plain
+    # audit's attacks read from the unkeyed states (same corpus, split, seed and decoders)
+    plain_top1 = {(r["attack"], r["side"]): r["top1"] for r in plain["results"]}
+    for r in res["results"]:
+        if r["noise"] == 0.0 and r["attack"].startswith("weight_alignment+"):
+            a = r["attack"].split("+", 1)[1]
+            assert r["top1"] == pytest.approx(plain_top1[(a, r["side"])], abs=0.02), a
+        if r["attack"] == "prior":
+            assert r["top1"] == plain_top1[("prior", r["side"])]
+    for b in res["best"]:
+        rows = [
+            r
+            for r in res["results"]
+            if (r["k"], r["noise"], r["side"]) == (b["k"], b["noise"], b["side"])
+        ]
+        assert b["top1"] == max(r["top1"] for r in rows)
+        assert b["attack"] in {r["attack"] for r in rows}
+    # here (tiny model, k = 1) nearest embedding on the turned-back states already reads every
+    # token: the first row to reach the top is the one `best` names
+    top_in = next(b for b in res["best"] if (b["noise"], b["side"]) == (0.0, "input"))
+    assert top_in["attack"] == "weight_alignment+nearest_embedding" and top_in["top1"] == 1.0
 
 
 def test_cli_keyed_noise_without_a_key_is_a_one_line_error(

@@ -4,15 +4,23 @@ trunk server running the keyed layers, and clients with and without the organisa
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 
+import engine.speculative as spec
 from app.cli import main as veil
 from engine import protocol as P
+from engine.drafts import Verified
+from engine.drafts.head import DraftHead, DraftHeadNet, HeadShape, save_head
+from engine.drafts.learned import HeadDraft
+from engine.drafts.select import client_fingerprint, load_for_client
 from engine.errors import SplitError
 from engine.generate import available_decoders, generate
 from engine.keyed.transform import KeyedError, OrgKey
@@ -39,6 +47,7 @@ from tests.tiny import make_model
 
 OTHER = OrgKey(bytes(range(1, 33)))
 GREEDY = SamplingParams(max_new_tokens=12)
+LONG = SamplingParams(max_new_tokens=24)  # long enough for drafted rounds to be accepted
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +78,17 @@ def connect(srv: TrunkServer, client: ClientModel, **kw: object) -> RemoteTrunk:
     )
 
 
-def plain_tokens(folder: Path, k: int, decoder: str = "sequential") -> list[int]:
+def plain_runner(folder: Path, k: int) -> SplitRunner:
+    """The public model split at ``k``, its trunk in this process."""
     client = load_client(str(folder), k)
     start, end = client.plan.trunk_range
-    runner = SplitRunner(client, load_trunk(client.resolved, start, end))
-    return generate(runner, PROMPT, GREEDY, decoder=decoder).token_ids
+    return SplitRunner(client, load_trunk(client.resolved, start, end))
+
+
+def plain_tokens(
+    folder: Path, k: int, decoder: str = "sequential", prompt: list[int] = PROMPT
+) -> list[int]:
+    return generate(plain_runner(folder, k), prompt, GREEDY, decoder=decoder).token_ids
 
 
 # ----------------------------------------------------------------------------- the folder
@@ -141,6 +156,153 @@ def test_a_client_keeping_more_layers_runs_a_sub_range_of_the_keyed_trunk(
         assert (trunk.start, trunk.end) == (2, 4)
         got = generate(SplitRunner(client, trunk), PROMPT, GREEDY).token_ids
     assert got == plain_tokens(folder, 2)
+
+
+def test_inside_the_keyed_model_speculative_and_pipelined_equal_sequential(
+    server: TrunkServer, folder: Path
+) -> None:
+    """Against the keyed trunk, every decoder gives exactly the keyed split's own sequential
+    tokens, greedy and sampled (the same seed): with the cost model's choices, and with fixed
+    trees and rounds always in flight, so drafted trees really are verified by keyed layers."""
+    sampled = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=20, seed=5)
+    fixed = spec.SpecOptions(fixed_budget=8, pipeline="always")
+    client = load_client(str(folder), 1, org_key=KEY)
+    with connect(server, client) as trunk:
+        runner = SplitRunner(client, trunk)
+        for params in (LONG, sampled):
+            want = generate(runner, PROMPT, params).token_ids
+            for dec in sorted(available_decoders()):
+                assert generate(runner, PROMPT, params, decoder=dec).token_ids == want, dec
+            spec.forget(runner)  # fixed trees from a drafter that has learned nothing yet
+            got = spec.generate_speculative(runner, PROMPT, params, options=fixed)
+            assert got.token_ids == want, params
+            if params is LONG:  # drafted tokens were accepted, rounds went while one was out
+                st = got.stats
+                assert st.tree_nodes_sent > st.new_tokens and max(st.accepted_hist) > 1
+                assert st.pipelined_rounds > 0 and st.round_trips < len(want)
+
+
+def hold_until_shared(srv: TrunkServer, mp: pytest.MonkeyPatch) -> list[set[str]]:
+    """From now until it has planned a batch with two sessions' steps in it, ``srv``'s worker
+    plans only once two sessions have a step waiting (waiting on its own condition, so steps
+    still arrive meanwhile; 30 s at most). Returns the sessions of each shared batch planned."""
+    w: Any = srv.worker
+    plan = w._plan
+    shared: list[set[str]] = []
+
+    def waiting() -> int:
+        return sum(1 for s in w._sessions.values() if s.queue and not s.busy and not s.closed)
+
+    def _plan() -> Any:  # called under w._cond
+        deadline = time.monotonic() + 30
+        while not shared and waiting() < 2 and time.monotonic() < deadline:
+            w._cond.wait(0.05)
+        b = plan()
+        sids = {t.job.sid for t in b.tasks} if b is not None else set()
+        if len(sids) > 1:
+            shared.append(sids)
+        return b
+
+    mp.setattr(w, "_plan", _plan)
+    return shared
+
+
+def test_two_keyed_sessions_share_batches_and_each_gets_the_plain_models_tokens(
+    server: TrunkServer, folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two keyed clients (k = 1 and k = 2: trunk [1, 5) and its sub-range [2, 4)) generate at
+    the same time through one keyed server, one sequential and one speculative. Until their
+    work has shared a batch the worker waits for both (``hold_until_shared``), so that they
+    share one does not depend on timing."""
+    prompts = [PROMPT, [1, 50, 9, 9, 60, 61, 62, 63, 64, 7]]
+    decoders = ["sequential", "speculative"]
+    shared = hold_until_shared(server, monkeypatch)
+    before = server.worker.stats()["shared_batches"]
+    out: list[list[int]] = [[], []]
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        try:
+            client = load_client(str(folder), 1 + i, org_key=KEY)
+            with connect(server, client) as trunk:
+                start.wait(30)  # both sessions open before either steps
+                runner = SplitRunner(client, trunk)
+                out[i] = generate(runner, prompts[i], GREEDY, decoder=decoders[i]).token_ids
+        except BaseException as exc:
+            errors.append(exc)
+            start.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert shared and len(shared[0]) == 2  # one batch held both sessions' steps
+    assert server.worker.stats()["shared_batches"] > before
+    for i in range(2):
+        assert out[i] == plain_tokens(folder, 1 + i, prompt=prompts[i]), i
+
+
+def test_a_learned_draft_head_drafts_for_a_keyed_client(
+    server: TrunkServer, folder: Path, tmp_path: Path
+) -> None:
+    """A draft head file made for the public model fits the keyed client (the same model
+    fingerprint) and drafts through the keyed server: the tokens stay the keyed split's
+    sequential tokens, nodes the head drafted were verified, and what the head read is the
+    plain-basis features (its cache equals the one the public model's features give). A random
+    head (fixed seed), so nothing depends on training; GenerationStats counts no drafts per
+    source, the drafter's calibration does (as in test_draft_head)."""
+    public = plain_runner(folder, 1)
+    net = DraftHeadNet(HeadShape.for_model(public.client.config))
+    net.reset_parameters(torch.Generator().manual_seed(5))
+    with torch.no_grad():  # a bigger residual branch than the init, so rows differ visibly
+        net.wo.mul_(10)
+        net.wdown.mul_(10)
+    net.requires_grad_(False)
+    cf, wf = client_fingerprint(public.client)
+    made = DraftHead(net, "tiny", cf, wf, public.client.tap_layers(), None)
+    path = save_head(made, tmp_path / "head.safetensors")
+    client = load_client(str(folder), 1, org_key=KEY)
+    head = load_for_client(path, client)  # refused if the keyed client's fingerprint differed
+    with connect(server, client) as trunk:
+        runner = SplitRunner(client, trunk)
+        want = generate(runner, PROMPT, LONG).token_ids
+        spec.use_draft_head(runner, head)
+        assert spec.draft_head_of(runner) is head
+        opts = spec.SpecOptions(fixed_budget=16)
+        got = spec.generate_speculative(runner, PROMPT, LONG, options=opts)
+    assert got.token_ids == want
+    state = spec.runner_state(runner)
+    drafted = sum(
+        n for (name, _), (_, n) in state.drafter.calibrator.stats.items() if name == "head"
+    )
+    assert drafted > 0 and got.stats.tree_nodes_sent > got.stats.new_tokens
+    src = state.head
+    assert src is not None
+    text = [*PROMPT, *got.token_ids]
+    n = src.cache.length  # rows for every position before the last root
+    assert n > len(PROMPT)  # it observed the prompt and the rounds after it
+    states = public.forward_states(text[:n], range(n))
+    fresh = HeadDraft(head, public.client)
+    fresh.observe(
+        Verified(
+            text,
+            text[:n],
+            list(range(-1, n - 1)),
+            torch.zeros(n, 1, dtype=torch.long),
+            torch.zeros(n, 1),
+            list(range(n)),
+            {i: text[i + 1] for i in range(n)},
+            0,
+            states.features(),
+            public.client.tap_layers(),
+        )
+    )
+    assert fresh.cache.length == n
+    torch.testing.assert_close(src.cache.k[:, :, :n], fresh.cache.k[:, :, :n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(src.cache.v[:, :, :n], fresh.cache.v[:, :, :n], atol=1e-4, rtol=1e-4)
 
 
 def test_what_the_server_receives_is_not_the_head_output(server: TrunkServer, folder: Path) -> None:

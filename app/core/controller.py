@@ -264,29 +264,56 @@ class AppController:
         n = self.n_layers
         return n is not None and fully_local(n, k)
 
-    def audit_model_name(self) -> str:
-        """The name the shown audit is stored under: the model's, or with a keyed server in use
-        its keyed audit's (measured with the scheme known, the key not)."""
+    def keyed_audit_name(self) -> str | None:
+        """The name a keyed audit for the key in use is stored under (None: no keyed server)."""
         key_id = self.host.key_id
         if key_id is None:
-            return self.model_name()
+            return None
         from engine.keyed import audit_name
 
         return audit_name(self.model_name(), key_id)
 
+    def audit_model_name(self) -> str:
+        """The name of the audit the details show: the model's, or with a keyed server in use
+        and a keyed audit stored for its key (`veil audit --org-key`), that keyed audit's."""
+        keyed = self.keyed_audit_name()
+        if keyed is not None and audit_info.latest(keyed) is not None:
+            return keyed
+        return self.model_name()
+
+    def shown_audit(self, k: int) -> tuple[str, audit_info.AuditFigure, bool]:
+        """(stored name, figure, measured with the key) of the audit the panel shows at ``k``.
+
+        With a keyed server in use: the keyed audit's figure where one measured ``k``, else the
+        plain audit's (the server's or this computer's). Our measurements found the key does not
+        lower what the server reads (docs/privacy.md, "Verdict on the keyed split"), so the
+        plain figure stands for the keyed split; a lower keyed figure is shown only when a
+        keyed audit measured it."""
+        name = self.model_name()
+        plain = audit_info.figure(name, k)
+        keyed = self.keyed_audit_name()
+        if keyed is None:
+            return name, plain, False
+        fig = audit_info.figure(keyed, k)
+        if fig.top1 is not None or (plain.top1 is None and fig.date):
+            return keyed, fig, True
+        return name, plain, False
+
     def audit_figure(self, k: int) -> audit_info.AuditFigure:
-        return audit_info.figure(self.audit_model_name(), k)
+        return self.shown_audit(k)[1]
 
     def privacy_view(self, k: int) -> PrivacyView:
         """The one word, sentence and figure beside the slider (no audit figure when k runs
-        fully on this computer). With a keyed server in use, the keyed audit's figures, labelled
-        as measured with the organisation's key."""
+        fully on this computer). With a keyed server in use, a keyed audit's figures labelled
+        as measured with the organisation's key, else the plain audit's, labelled as measured
+        without it (see :meth:`shown_audit`)."""
         n = self.n_layers
         if n is not None and fully_local(n, k):
             return describe(n, k, None)
-        name = self.audit_model_name()
+        name, fig, with_key = self.shown_audit(k)
+        reply = audit_info.reply_share(name, k)
         keyed = self.host.key_id is not None
-        return describe(n, k, self.audit_figure(k), audit_info.reply_share(name, k), keyed=keyed)
+        return describe(n, k, fig, reply, keyed=keyed, key_measured=with_key)
 
     def split_summary(self, k: int) -> str:
         n = self.n_layers

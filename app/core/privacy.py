@@ -88,7 +88,8 @@ class PrivacyView:
     local: bool  # fully on this computer
     audited: bool  # the figure comes from an audit
     reply: str = ""  # what the server reads of the replies ("" when nothing is sent)
-    keyed: bool = False  # the figures are the keyed audit's (an organisation-keyed server)
+    keyed: bool = False  # an organisation key is in use (the server runs a keyed model)
+    key_measured: bool = False  # the figures are a keyed audit's, measured with that key
 
     @property
     def accessible(self) -> str:
@@ -96,6 +97,12 @@ class PrivacyView:
 
 
 KEYED = "with your organisation's key"
+# what the panel says under a key when only the plain audit measured the setting (docs/privacy.md,
+# "Verdict on the keyed split": the server recovers the key from its weights, then reads as much)
+KEY_NOT_LOWER = (
+    "Measured without your organisation's key: Veil's tests found the key does not lower what "
+    "the server can read (docs/privacy.md)."
+)
 
 
 def describe(
@@ -104,15 +111,22 @@ def describe(
     fig: AuditFigure | None,
     reply_top1: float | None = None,
     keyed: bool = False,
+    key_measured: bool = False,
 ) -> PrivacyView:
     """The panel's words for split ``k``; ``fig`` is the audit figure (ignored when local),
     ``reply_top1`` the audit's share of reply words read (None: not measured). ``keyed``: the
-    server runs a model keyed to the organisation's key and ``fig`` is that keyed audit's."""
+    server runs a model keyed to the organisation's key; ``key_measured``: ``fig`` is that keyed
+    audit's, else the plain audit's, which the caption says was measured without the key (the
+    key does not lower it, so the plain figure stands for the keyed split)."""
     view = _describe(n_layers, k, fig, reply_top1)
     if not keyed or view.local:
         return view
-    sep = ", " if view.audited else " "  # "... (worst case of all attacks), with your ..."
-    return replace(view, caption=f"{view.caption[:-1]}{sep}{KEYED}.", keyed=True)
+    if key_measured:
+        sep = ", " if view.audited else " "  # "... (worst case of all attacks), with your ..."
+        caption = f"{view.caption[:-1]}{sep}{KEYED}."
+        return replace(view, caption=caption, keyed=True, key_measured=True)
+    caption = f"{view.caption} {KEY_NOT_LOWER}" if view.audited else view.caption
+    return replace(view, caption=caption, keyed=True)
 
 
 def _describe(

@@ -80,6 +80,7 @@ class AuditFlow:
             )
         else:
             replaces = f"Its results replace the figures from your audit of {date}."
+        replaces += self._key_note()
         k, n = self.app.settings.local_layers, self.app.n_layers
         local = (
             f" At your current setting ({setting_words(n, k)}) nothing is sent, so it measures "
@@ -96,6 +97,49 @@ class AuditFlow:
             f"documents.\n\nIt takes {audit_info.human_duration(seconds)} on this computer, "
             "which is busy meanwhile: replies wait until it ends. You can cancel it at any "
             f"time.\n\n{replaces}"
+        )
+
+    def _key_note(self) -> str:
+        """What the question adds while an organisation key is in use: the audit measures the
+        model without the key (the app runs the plain audit, not the keyed one: see
+        :meth:`finished_text`)."""
+        keyed = self.app.keyed_audit_name()
+        if keyed is None:
+            return ""
+        data = audit_info.latest(keyed)
+        if data is not None:
+            date = str(data.get("date", ""))[:10]
+            return (
+                " It measures the model without your organisation's key: where the audit made "
+                f"with your key ({date}) measured a setting, its figures stay."
+            )
+        return (
+            " It measures the model without your organisation's key: Veil's tests found the key "
+            "does not lower what the server can read."
+        )
+
+    def finished_text(self, took: float) -> str:
+        """The line under the panel when an audit ends. The app runs the plain audit even while
+        an organisation key is in use: the keyed audit (``veil audit --org-key``) needs the
+        whole public model, cannot know the noise level the server's keyed model was made with,
+        and adds weight alignment and vocabulary matching per depth and noise level (about 5
+        minutes each on two cores, docs/privacy.md: 1,271 s for two depths at two levels), so
+        the app's six depths would take well over half an hour; and it measured what the plain
+        audit measures (98-100% of prompt words). So under a key the line says whose figures the
+        panel now shows (:meth:`AppController.shown_audit`), never that the plain result is the
+        keyed figure."""
+        head = f"Audit finished in {audit_info.elapsed_text(took)}."
+        if self.app.keyed_audit_name() is None:
+            return f"{head} The figures above now come from it."
+        _, fig, with_key = self.app.shown_audit(self.app.settings.local_layers)
+        if with_key:
+            return (
+                f"{head} It measured the model without your organisation's key; the figures "
+                f"above still come from the audit made with your key ({fig.date})."
+            )
+        return (
+            f"{head} The figures above now come from it, measured without your organisation's "
+            "key, which Veil's tests found does not lower what the server can read."
         )
 
     def run(self) -> None:
@@ -148,11 +192,7 @@ class AuditFlow:
             took = time.monotonic() - t0
             app.store.set(f"audit.last:{name}", [round(took, 1), ks])
             app.resolved.emit(problems.AUDIT)
-            end(
-                f"Audit finished in {audit_info.elapsed_text(took)}. The figures above now come "
-                "from it.",
-                "ok",
-            )
+            end(self.finished_text(took), "ok")
 
         def failed(err: VeilError) -> None:
             if isinstance(err, Cancelled):

@@ -10,6 +10,13 @@ report how far each attacker estimate ``q_hat`` is from the true ``q``).
 Traffic the attacker observes (its budget, the same for every attack): the held-out test
 documents, and each of them once more as a chat conversation (chat template with its default
 system prompt, user text = the document's text), i.e. 2 x the test documents.
+
+Each estimate ``q_hat`` turns the observed states back, and the plain audit's attacks
+(:func:`engine.audit.runner.run_audit`) follow on the sides it runs them, named
+``"<estimate>+<plain attack>"``: nearest_embedding, ridge, ridge_embedding, mlp (the plain
+decoder trained on public states) and known_weights on the input side; logit_lens,
+public_tail and ridge on the output side. The frequency prior needs no q and is scored once
+per depth and noise level as ``"prior"``; ``best`` is the top row over all of them.
 """
 
 from __future__ import annotations
@@ -216,6 +223,15 @@ def _run(
         y_o = [t[1:] for t in ids_te]
         p_o = [p[1:] for p in pii_te]
         depth = sum(st.sipit_stages) + st.sipit_fallback
+        # the plain audit's attacks that need no q (the frequency prior) or are trained once on
+        # public states (its MLP decoder, applied below to each estimate's turned-back states)
+        prior_in = A.prior_top5(ids_tr)
+        prior_out = A.prior_top5([t[1:] for t in ids_tr])
+        tm = time.perf_counter()
+        plain_mlp = A.MLPDecoder(
+            x_tr, y_tr, seed, hidden=st.mlp_hidden, epochs=st.mlp_epochs, cancel=cancel
+        )
+        timing[f"plain_attacks_k{k}"] = time.perf_counter() - tm
         for s in noises:
             t0 = time.perf_counter()
             report(f"keyed audit: k={k}, noise {s:g}", step / steps)
@@ -288,6 +304,11 @@ def _run(
                 row.update(extra)
                 results.append(row)
 
+            # --- the frequency prior: the floor, no q at all ---------------------------------
+            tp = time.perf_counter()
+            add("prior", "input", [prior_in.expand(len(t), -1) for t in ids_te], {})
+            add("prior", "output", [prior_out.expand(len(t), -1) for t in y_o], {})
+            timing[f"plain_attacks_k{k}"] += time.perf_counter() - tp
             # --- the attacker: estimates of q ------------------------------------------------
             est: dict[str, torch.Tensor] = {}
             ta = time.perf_counter()
@@ -315,10 +336,16 @@ def _run(
                 un_in = [x @ qf.T for x in obs_in]
                 un_out = [x @ qf.T for x in obs_out]
                 near = A.nearest_embedding(un_in, embed, 32)
+                tp = time.perf_counter()
+                add(f"{name}+nearest_embedding", "input", [r[:, :5] for r in near], info)
+                t_plain = time.perf_counter() - tp
                 rr = [ridge.ranked(x, 32) for x in un_in]
                 er = [ereg.ranked(x, depth) for x in un_in]
                 add(f"{name}+ridge", "input", [r[:, :5] for r in rr], info)
                 add(f"{name}+ridge_embedding", "input", [r[:, :5] for r in er], info)
+                tp = time.perf_counter()
+                add(f"{name}+mlp", "input", [plain_mlp.ranked(x, 5) for x in un_in], info)
+                t_plain += time.perf_counter() - tp
                 inv = []
                 fallback = st.sipit_fallback
                 for j in sip:
@@ -346,6 +373,13 @@ def _run(
                     {**info_inv, "verified_exact": ver},
                     sip,
                 )
+                tp = time.perf_counter()
+                lens = A.logit_lens(
+                    [x[:-1] for x in un_out], am.client.norm_weight, am.client.lm_head, cfg.rms_eps
+                )
+                add(f"{name}+logit_lens", "output", lens, info)
+                t_plain += time.perf_counter() - tp
+                timing[f"plain_attacks_k{k}"] += t_plain
                 tail = [logits_from(am, lo, x)[:-1].topk(5, dim=-1).indices for x in un_out]
                 add(f"{name}+public_tail", "output", tail, info)
                 add(f"{name}+ridge", "output", [oridge.ranked(x[:-1], 5) for x in un_out], info)
