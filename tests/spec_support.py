@@ -1,18 +1,20 @@
 """What the speculative-decoding test modules share: tiny models of every family, runners
-cached per model folder and k, and the fixtures' bodies (one thread; the runners' configs put
-back after a test changes them)."""
+cached per model folder and k, the fixtures' bodies (one thread; the runners' configs put
+back after a test changes them), and the chain a head drafter is shown."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import strategies as st
 
 from engine.config import ModelConfig
+from engine.drafts import Verified
 from engine.split import SplitRunner, load_client, load_trunk
 from tests.tiny import make_model
 
@@ -75,3 +77,27 @@ def restore_configs() -> None:
     """Tests change EOS and the context limit on the (shared) runners' configs: put them back."""
     for k, r in _RUNNERS.items():
         r.client.config = _CONFIGS[k]
+
+
+def chain_verified(ctx: list[int], n: int, states: Any, client: Any) -> Verified:
+    """What a drafter is shown when the first ``n`` tokens of ``ctx`` are verified as one chain
+    (each row's next token the one after it in ``ctx``), with the model's ``states`` of those
+    rows (``forward_states(ctx[:n], range(n))``)."""
+    return Verified(
+        ctx,
+        ctx[:n],
+        list(range(-1, n - 1)),
+        torch.zeros(n, 1, dtype=torch.long),
+        torch.zeros(n, 1),
+        list(range(n)),
+        {i: ctx[i + 1] for i in range(n)},
+        0,
+        states.features(),
+        client.tap_layers(),
+    )
+
+
+def assert_same_head_cache(a: Any, b: Any, n: int) -> None:
+    """Two head drafters hold the same K/V for their first ``n`` rows (to rounding)."""
+    torch.testing.assert_close(a.cache.k[:, :, :n], b.cache.k[:, :, :n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.cache.v[:, :, :n], b.cache.v[:, :, :n], atol=1e-4, rtol=1e-4)

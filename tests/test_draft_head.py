@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import engine.speculative as spec
-from engine.drafts import Verified
 from engine.drafts.head import (
     DraftHead,
     DraftHeadError,
@@ -36,6 +35,7 @@ from engine.loading import resolve
 from engine.model import rope_inv_freq
 from engine.sampling import SamplingParams, target_probs
 from engine.split import SplitRunner, load_client, load_trunk
+from tests.spec_support import assert_same_head_cache, chain_verified
 from tests.tiny import make_model
 
 FAMILIES = ("llama", "mistral", "qwen2")  # mistral: sliding window; qwen2: bias + tied LM head
@@ -311,20 +311,7 @@ def test_drafted_tree_follows_the_training_unroll(models: dict[str, Path]) -> No
     states = runner.forward_states(prompt, range(len(prompt)))
     n = len(prompt)
     ctx = [*prompt, root]
-    src.observe(
-        Verified(
-            ctx,
-            prompt,
-            list(range(-1, n - 1)),
-            torch.zeros(n, 1, dtype=torch.long),
-            torch.zeros(n, 1),
-            list(range(n)),
-            {i: ctx[i + 1] for i in range(n)},
-            0,
-            states.features(),
-            client.tap_layers(),
-        )
-    )
+    src.observe(chain_verified(ctx, n, states, client))
     tree = src.propose(ctx, 32)
     d1 = tree.tokens[0]  # the most likely child of the root
     d1_kids = [i for i, p in enumerate(tree.parents) if p == 0]
@@ -382,27 +369,9 @@ def test_head_cache_follows_the_accepted_path(models: dict[str, Path]) -> None:
         fresh = HeadDraft(head, runner.client)
         runner.reset()
         states = runner.forward_states(text[:n], range(n))
-        fresh.observe(
-            Verified(
-                text,
-                text[:n],
-                list(range(-1, n - 1)),
-                torch.zeros(n, 1, dtype=torch.long),
-                torch.zeros(n, 1),
-                list(range(n)),
-                {i: text[i + 1] for i in range(n)},
-                0,
-                states.features(),
-                runner.client.tap_layers(),
-            )
-        )
+        fresh.observe(chain_verified(text, n, states, runner.client))
         assert fresh.cache.length == n
-        torch.testing.assert_close(
-            src.cache.k[:, :, :n], fresh.cache.k[:, :, :n], atol=1e-4, rtol=1e-4
-        )
-        torch.testing.assert_close(
-            src.cache.v[:, :, :n], fresh.cache.v[:, :, :n], atol=1e-4, rtol=1e-4
-        )
+        assert_same_head_cache(src, fresh, n)
     finally:
         spec.use_draft_head(runner, "auto")
 

@@ -17,7 +17,6 @@ from safetensors import safe_open
 import engine.speculative as spec
 from app.cli import main as veil
 from engine import protocol as P
-from engine.drafts import Verified
 from engine.drafts.head import DraftHead, DraftHeadNet, HeadShape, save_head
 from engine.drafts.learned import HeadDraft
 from engine.drafts.select import client_fingerprint, load_for_client
@@ -43,6 +42,7 @@ from remote.server import ServerOptions, TrunkServer
 from tests.fake_trunk import FakeTrunk
 from tests.inproc_trunk import CLIENT_KEYS, SERVER_KEYS, trunk_in_thread
 from tests.keyed_support import KEY, PROMPT, keyed_trunk, tiny_model
+from tests.spec_support import assert_same_head_cache, chain_verified
 from tests.tiny import make_model
 
 OTHER = OrgKey(bytes(range(1, 33)))
@@ -286,23 +286,9 @@ def test_a_learned_draft_head_drafts_for_a_keyed_client(
     assert n > len(PROMPT)  # it observed the prompt and the rounds after it
     states = public.forward_states(text[:n], range(n))
     fresh = HeadDraft(head, public.client)
-    fresh.observe(
-        Verified(
-            text,
-            text[:n],
-            list(range(-1, n - 1)),
-            torch.zeros(n, 1, dtype=torch.long),
-            torch.zeros(n, 1),
-            list(range(n)),
-            {i: text[i + 1] for i in range(n)},
-            0,
-            states.features(),
-            public.client.tap_layers(),
-        )
-    )
+    fresh.observe(chain_verified(text, n, states, public.client))
     assert fresh.cache.length == n
-    torch.testing.assert_close(src.cache.k[:, :, :n], fresh.cache.k[:, :, :n], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(src.cache.v[:, :, :n], fresh.cache.v[:, :, :n], atol=1e-4, rtol=1e-4)
+    assert_same_head_cache(src, fresh, n)
 
 
 def test_what_the_server_receives_is_not_the_head_output(server: TrunkServer, folder: Path) -> None:
